@@ -1,0 +1,46 @@
+"""distutils_ml: data-parallel training of PyTorch models over MPI, NCCL or threads.
+
+Backend-first functions in the style of Lux.jl's ``DistributedUtils``::
+
+    import distutils_ml as dml
+
+    dml.initialize(dml.LocalBackend)
+    backend = dml.get_distributed_backend(dml.LocalBackend)
+    dml.allreduce(backend, grads, dml.AVG)
+"""
+
+from distutils_ml.backends.base import Backend, ReduceOp
+from distutils_ml.backends.local import LocalBackend
+from distutils_ml.collectives import allgather, allreduce, barrier, bcast, reduce
+from distutils_ml.printing import print
+from distutils_ml.registry import get_distributed_backend, initialize, initialized, local_rank, total_workers
+
+SUM = ReduceOp.SUM
+PROD = ReduceOp.PROD
+MAX = ReduceOp.MAX
+MIN = ReduceOp.MIN
+AVG = ReduceOp.AVG
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AVG",
+    "MAX",
+    "MIN",
+    "PROD",
+    "SUM",
+    "Backend",
+    "LocalBackend",
+    "ReduceOp",
+    "allgather",
+    "allreduce",
+    "barrier",
+    "bcast",
+    "get_distributed_backend",
+    "initialize",
+    "initialized",
+    "local_rank",
+    "print",
+    "reduce",
+    "total_workers",
+]

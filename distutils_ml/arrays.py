@@ -1,0 +1,158 @@
+"""Array handling shared by every backend: buffer kinds, dtypes, contiguity, views.
+
+A user's buffer (NumPy array or CPU ``torch.Tensor``) is turned into a NumPy array
+that shares its memory, so backends only ever see NumPy. bfloat16 has no NumPy
+dtype: its bits travel as int16, and reductions go through a float32 working copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from distutils_ml.backends.base import ReduceOp
+
+__all__ = [
+    "ArrayLike",
+    "HALF_DTYPES",
+    "FLOAT_DTYPES",
+    "check_op_dtype",
+    "result_view",
+    "source_view",
+    "to_float32",
+    "write_back",
+]
+
+#: A buffer the collectives accept.
+ArrayLike = np.ndarray | torch.Tensor
+
+_NP_DTYPES = {
+    np.dtype(name): name
+    for name in (
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+    )
+}
+_TORCH_DTYPES = {
+    torch.bool: "bool",
+    torch.int8: "int8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.uint8: "uint8",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+}
+_ALLOWED_DTYPES = (
+    "bool, int8, int16, int32, int64, uint8 (and uint16/32/64 for NumPy), float16, bfloat16 (torch), float32, float64"
+)
+
+HALF_DTYPES = frozenset({"float16", "bfloat16"})
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+_INT_DTYPES = frozenset(n for n in _NP_DTYPES.values() if n.startswith(("int", "uint")))
+
+# (op, dtype) pairs a reduction accepts; anything else is a TypeError.
+_OP_DTYPE_OK = frozenset(
+    [(op, dt) for op in (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN) for dt in FLOAT_DTYPES | _INT_DTYPES]
+    + [(ReduceOp.AVG, dt) for dt in FLOAT_DTYPES]
+    + [(ReduceOp.MAX, "bool"), (ReduceOp.MIN, "bool")]
+)
+
+
+def check_op_dtype(op: ReduceOp, dt: str, name: str) -> None:
+    """Raise ``TypeError`` when reduction ``op`` is not defined for dtype ``dt``."""
+    if (op, dt) in _OP_DTYPE_OK:
+        return
+    if op is ReduceOp.AVG:
+        raise TypeError(
+            f"{name}: dml.AVG needs a floating-point buffer, got dtype {dt}; "
+            "use dml.SUM and divide yourself, or convert the buffer to a float dtype"
+        )
+    raise TypeError(f"{name}: {op!r} is not defined for dtype {dt}; bool buffers allow only dml.MAX and dml.MIN")
+
+
+def _type_error(buf: Any, name: str) -> TypeError:
+    if isinstance(buf, torch.Tensor):
+        return TypeError(
+            f"{name}: a torch tensor on device '{buf.device}' is not supported by this backend; "
+            "pass a CPU tensor (tensor.cpu())"
+        )
+    return TypeError(
+        f"{name}: got {type(buf).__module__}.{type(buf).__qualname__}; allowed: numpy.ndarray or a CPU torch.Tensor"
+    )
+
+
+def _view(buf: Any, name: str) -> tuple[np.ndarray, str]:
+    """A NumPy array sharing ``buf``'s memory, and ``buf``'s dtype name."""
+    if isinstance(buf, np.ndarray):
+        dt = _NP_DTYPES.get(buf.dtype)
+        if dt is None:
+            raise TypeError(f"{name}: dtype {buf.dtype} is not supported; allowed: {_ALLOWED_DTYPES}")
+        return buf, dt
+    if isinstance(buf, torch.Tensor):
+        if not buf.is_cpu:
+            raise _type_error(buf, name)
+        dt = _TORCH_DTYPES.get(buf.dtype)
+        if dt is None:
+            raise TypeError(f"{name}: dtype {buf.dtype} is not supported; allowed: {_ALLOWED_DTYPES}")
+        if buf.requires_grad:
+            buf = buf.detach()
+        if dt == "bfloat16":
+            buf = buf.view(torch.int16)
+        return buf.numpy(), dt
+    raise _type_error(buf, name)
+
+
+def result_view(buf: Any, name: str) -> tuple[np.ndarray, str]:
+    """A writable, C-contiguous NumPy view of a buffer that receives a result.
+
+    Raises:
+        TypeError: not a NumPy array or CPU tensor, or an unsupported dtype.
+        ValueError: not C-contiguous, or read-only.
+    """
+    arr, dt = _view(buf, name)
+    if not arr.flags.c_contiguous:
+        raise ValueError(
+            f"{name}: a non-contiguous buffer of shape {tuple(arr.shape)} cannot receive a result in place; "
+            "pass a contiguous buffer (tensor.contiguous() / numpy.ascontiguousarray) and copy back"
+        )
+    if not arr.flags.writeable:
+        raise ValueError(f"{name}: the array is read-only and cannot receive a result; pass a writable array")
+    return arr, dt
+
+
+def source_view(buf: Any, name: str) -> tuple[np.ndarray, str]:
+    """A C-contiguous NumPy array with ``buf``'s data (a view where possible, else a copy)."""
+    arr, dt = _view(buf, name)
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return arr, dt
+
+
+def to_float32(buf: Any, arr: np.ndarray) -> np.ndarray:
+    """A float32 working copy of a float16/bfloat16 buffer (``arr`` is its view)."""
+    if isinstance(buf, torch.Tensor):
+        return buf.detach().to(torch.float32).contiguous().numpy()
+    return arr.astype(np.float32)
+
+
+def write_back(buf: Any, arr: np.ndarray, work: np.ndarray) -> None:
+    """Round the float32 ``work`` into the half-precision result buffer (``arr`` is its view)."""
+    if isinstance(buf, torch.Tensor):
+        buf.detach().copy_(torch.from_numpy(work))
+    else:
+        np.copyto(arr, work, casting="unsafe")

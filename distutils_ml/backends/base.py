@@ -1,0 +1,134 @@
+"""The backend contract: the primitives every communication backend implements.
+
+Public collectives (``dml.allreduce`` and friends in :mod:`distutils_ml.collectives`)
+validate and adapt their arguments, then call the primitives below with plain,
+contiguous, same-shaped NumPy arrays (host buffers). A backend therefore only moves
+and reduces bytes; it never sees a bad argument.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import operator
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Backend", "ReduceOp", "check_backend", "resolve_op"]
+
+
+class ReduceOp(enum.Enum):
+    """Reduction operators of ``allreduce`` and ``reduce``.
+
+    ``AVG`` is the sum divided by the number of ranks (floating-point buffers only).
+    """
+
+    SUM = "sum"
+    PROD = "prod"
+    MAX = "max"
+    MIN = "min"
+    AVG = "avg"
+
+    def __repr__(self) -> str:
+        return f"dml.{self.name}"
+
+
+_OPS: dict[Any, ReduceOp] = {op: op for op in ReduceOp}
+_OPS.update({op.value: op for op in ReduceOp})
+_OPS.update({op.name: op for op in ReduceOp})
+_OPS.update({operator.add: ReduceOp.SUM, operator.mul: ReduceOp.PROD, max: ReduceOp.MAX, min: ReduceOp.MIN})
+
+_ALLOWED_OPS = (
+    "dml.SUM, dml.PROD, dml.MAX, dml.MIN, dml.AVG, their lower-case names ('sum', ...), "
+    "operator.add, operator.mul, max or min"
+)
+
+
+def resolve_op(op: Any) -> ReduceOp:
+    """Return the :class:`ReduceOp` that ``op`` names.
+
+    Args:
+        op: a ``ReduceOp``, its lower-case name, ``operator.add``, ``operator.mul``, ``max`` or ``min``.
+
+    Raises:
+        ValueError: ``op`` names no reduction.
+    """
+    try:
+        return _OPS[op]
+    except (KeyError, TypeError):
+        raise ValueError(f"op: got {op!r}; allowed: {_ALLOWED_OPS}") from None
+
+
+class Backend(abc.ABC):
+    """A communication backend: one process's (or simulated rank's) view of a world.
+
+    Users never construct the world-wide instance themselves: call
+    ``dml.initialize(BackendType)`` once, then ``dml.get_distributed_backend(BackendType)``.
+
+    Subclasses implement the primitives (``_allreduce``, ``_bcast``, ``_reduce``,
+    ``_allgather``, ``_barrier``, ``_bcast_object``). They receive C-contiguous NumPy
+    arrays that were validated by :mod:`distutils_ml.collectives`: matching shapes and
+    dtypes on this rank, a known op, a root in range. ``AVG`` and half-precision
+    reductions are handled by the caller unless the backend says it reduces them
+    natively.
+    """
+
+    #: True where the transport reduces float16/bfloat16 itself (NCCL); otherwise the
+    #: collectives layer reduces them in float32 and writes the result back.
+    native_half_reductions: bool = False
+    #: True where the transport averages itself (NCCL's ncclAvg); otherwise AVG is SUM, then divide.
+    native_avg: bool = False
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """This process's rank, ``0 .. size-1``."""
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int:
+        """The number of ranks in the world."""
+
+    @abc.abstractmethod
+    def _allreduce(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, op: ReduceOp) -> None:
+        """Reduce across ranks into ``recvbuf`` on every rank (``sendbuf`` None: in place).
+
+        ``op`` is ``AVG`` only where ``native_avg`` is True: otherwise the caller sums and divides.
+        """
+
+    @abc.abstractmethod
+    def _bcast(self, buf: np.ndarray, root: int) -> None:
+        """Overwrite ``buf`` on every rank with root's ``buf``."""
+
+    @abc.abstractmethod
+    def _reduce(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, op: ReduceOp, root: int) -> None:
+        """Reduce across ranks into root's ``recvbuf``; other ranks' ``recvbuf`` stay untouched.
+
+        ``sendbuf`` None means ``recvbuf`` holds this rank's contribution (in place).
+        """
+
+    @abc.abstractmethod
+    def _allgather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+        """Write rank k's ``sendbuf`` into ``recvbuf[k]`` on every rank."""
+
+    @abc.abstractmethod
+    def _barrier(self) -> None:
+        """Return once every rank has entered the barrier."""
+
+    @abc.abstractmethod
+    def _bcast_object(self, obj: Any, root: int) -> Any:
+        """Return root's ``obj`` (a picklable Python object) on every rank."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
+
+
+def check_backend(backend: Any, caller: str) -> None:
+    """Raise ``TypeError`` unless ``backend`` is a backend instance (functions take it first)."""
+    if not isinstance(backend, Backend):
+        what = f"the class {backend.__name__}" if isinstance(backend, type) else type(backend).__qualname__
+        raise TypeError(
+            f"{caller}: the first argument must be a backend instance, got {what}; "
+            "pass backend = dml.get_distributed_backend(dml.MPIBackend) (or your backend type) first"
+        )

@@ -1,0 +1,257 @@
+"""LocalBackend: one process; a world of one, or N simulated ranks on threads.
+
+``dml.initialize(dml.LocalBackend)`` gives a world of one rank in which every
+collective is the identity. ``LocalBackend.spawn(world_size, fn, *args)`` runs
+``fn(backend, *args)`` on ``world_size`` threads that share one simulated world: each
+collective is a rendezvous where every rank deposits a private copy of its data, and
+each rank then computes its own result from those copies, in rank order. No rank
+ever reads or writes another rank's buffers.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+from distutils_ml.backends.base import Backend, ReduceOp
+
+__all__ = ["LocalBackend"]
+
+R = TypeVar("R")
+
+_UFUNCS = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.MIN: np.minimum,
+}
+
+_current = threading.local()
+
+
+class RankFailedError(RuntimeError):
+    """Raised on ranks that were waiting in a collective when another rank failed or left."""
+
+
+class _World:
+    """The shared state of one simulated world: a reusable rendezvous."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.cond = threading.Condition()
+        self.slots: list[Any] = [None] * size
+        self.arrived = 0
+        self.generation = 0
+        self.snapshot: tuple[Any, ...] = ()
+        self.failure: tuple[int, BaseException] | None = None
+        self.finished: set[int] = set()
+
+    def _check_alive(self, rank: int, what: str) -> None:
+        if self.failure is not None:
+            frank, exc = self.failure
+            raise RankFailedError(
+                f"LocalBackend rank {rank}: left {what} because rank {frank} raised {type(exc).__name__}: {exc}"
+            )
+        if self.finished:
+            gone = sorted(self.finished)
+            raise RankFailedError(
+                f"LocalBackend rank {rank}: {what} can never complete because rank(s) {gone} already returned "
+                "from fn; every rank must call the same collectives in the same order"
+            )
+
+    def rendezvous(self, rank: int, deposit: Any, what: str) -> tuple[Any, ...]:
+        """Deposit this rank's contribution; return every rank's, once all have arrived."""
+        with self.cond:
+            self._check_alive(rank, what)
+            self.slots[rank] = deposit
+            self.arrived += 1
+            gen = self.generation
+            if self.arrived == self.size:
+                self.arrived = 0
+                self.generation += 1
+                self.snapshot = tuple(self.slots)
+                self.slots = [None] * self.size
+                self.cond.notify_all()
+                return self.snapshot
+            while self.generation == gen:
+                self._check_alive(rank, what)
+                self.cond.wait()
+            return self.snapshot
+
+    def fail(self, rank: int, exc: BaseException) -> None:
+        with self.cond:
+            if self.failure is None:
+                self.failure = (rank, exc)
+            self.cond.notify_all()
+
+    def finish(self, rank: int) -> None:
+        with self.cond:
+            self.finished.add(rank)
+            self.cond.notify_all()
+
+
+def _fingerprint(kind: str, arr: np.ndarray | None, op: ReduceOp | None = None, root: int | None = None) -> tuple:
+    if arr is None:
+        return (kind, None, None, op, root)
+    return (kind, arr.shape, arr.dtype.str, op, root)
+
+
+class LocalBackend(Backend):
+    """A backend inside one process: a world of one, or a simulated world for tests.
+
+    Use ``dml.initialize(dml.LocalBackend)`` for a world of one (every collective is
+    the identity), or :meth:`spawn` to run a function on N simulated ranks.
+    """
+
+    def __init__(self, *, _world: _World | None = None, _rank: int = 0) -> None:
+        self._world = _world
+        self._rank = _rank
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return 1 if self._world is None else self._world.size
+
+    @staticmethod
+    def spawn(world_size: int, fn: Callable[..., R], *args: Any, timeout: float | None = None) -> list[R]:
+        """Run ``fn(backend, *args)`` on ``world_size`` simulated ranks; return results in rank order.
+
+        Each rank runs on its own thread with its own ``LocalBackend``; inside that
+        thread ``dml.get_distributed_backend(dml.LocalBackend)`` returns it too. If any
+        rank raises, the ranks waiting in a collective are released at once and the
+        first exception is re-raised here.
+
+        Args:
+            world_size: number of ranks, at least 1.
+            fn: called as ``fn(backend, *args)`` on every rank.
+            timeout: seconds to wait for all ranks (None: no limit); on expiry a
+                ``TimeoutError`` names the ranks still running.
+
+        Example:
+            >>> LocalBackend.spawn(3, lambda b: dml.local_rank(b))
+            [0, 1, 2]
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size: got {world_size!r}; allowed: an int >= 1")
+        if not callable(fn):
+            raise TypeError(f"fn: got {type(fn).__qualname__}; allowed: a callable taking (backend, *args)")
+        world = _World(world_size)
+        results: list[Any] = [None] * world_size
+
+        def run(rank: int) -> None:
+            backend = LocalBackend(_world=world, _rank=rank)
+            _current.backend = backend
+            try:
+                results[rank] = fn(backend, *args)
+            except BaseException as exc:
+                world.fail(rank, exc)
+            else:
+                world.finish(rank)
+
+        threads = [
+            threading.Thread(target=run, args=(r,), name=f"dml-local-rank-{r}", daemon=True) for r in range(world_size)
+        ]
+        for t in threads:
+            t.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                alive = [r for r, th in enumerate(threads) if th.is_alive()]
+                err = TimeoutError(f"LocalBackend.spawn: ranks {alive} still running after {timeout} s")
+                world.fail(alive[0], err)
+                raise err
+        if world.failure is not None:
+            raise world.failure[1]
+        return results
+
+    # -- primitives ---------------------------------------------------------------
+
+    def _exchange(self, deposit: Any, fingerprint: tuple) -> tuple[Any, ...]:
+        world = self._world
+        assert world is not None
+        snap = world.rendezvous(self._rank, (fingerprint, deposit), fingerprint[0])
+        prints = [s[0] for s in snap]
+        if any(p != prints[0] for p in prints):
+            lines = "; ".join(f"rank {r}: {_describe(p)}" for r, p in enumerate(prints))
+            raise RuntimeError(f"LocalBackend rank {self._rank}: ranks called mismatched collectives: {lines}")
+        return tuple(s[1] for s in snap)
+
+    def _allreduce(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, op: ReduceOp) -> None:
+        src = recvbuf if sendbuf is None else sendbuf
+        if self._world is None:
+            if sendbuf is not None:
+                np.copyto(recvbuf, sendbuf)
+            return
+        parts = self._exchange(src.copy(), _fingerprint("allreduce", src, op))
+        _reduce_into(recvbuf, parts, op)
+
+    def _bcast(self, buf: np.ndarray, root: int) -> None:
+        if self._world is None:
+            return
+        mine = buf.copy() if self._rank == root else None
+        parts = self._exchange(mine, _fingerprint("bcast", buf, root=root))
+        if self._rank != root:
+            np.copyto(buf, parts[root])
+
+    def _reduce(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, op: ReduceOp, root: int) -> None:
+        src = recvbuf if sendbuf is None else sendbuf
+        if self._world is None:
+            if sendbuf is not None:
+                np.copyto(recvbuf, sendbuf)
+            return
+        parts = self._exchange(src.copy(), _fingerprint("reduce", src, op, root))
+        if self._rank == root:
+            _reduce_into(recvbuf, parts, op)
+
+    def _allgather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+        if self._world is None:
+            np.copyto(recvbuf[0, ...], sendbuf)
+            return
+        parts = self._exchange(sendbuf.copy(), _fingerprint("allgather", sendbuf))
+        for k, part in enumerate(parts):
+            np.copyto(recvbuf[k, ...], part)
+
+    def _barrier(self) -> None:
+        if self._world is not None:
+            self._exchange(None, _fingerprint("barrier", None))
+
+    def _bcast_object(self, obj: Any, root: int) -> Any:
+        if self._world is None:
+            return obj
+        mine = pickle.dumps(obj) if self._rank == root else None
+        parts = self._exchange(mine, ("bcast_object", None, None, None, root))
+        return obj if self._rank == root else pickle.loads(parts[root])
+
+
+def _reduce_into(out: np.ndarray, parts: tuple[np.ndarray, ...], op: ReduceOp) -> None:
+    """``out = parts[0] op parts[1] op ...``, in rank order (the same bits on every rank)."""
+    ufunc = _UFUNCS[op]
+    np.copyto(out, parts[0])
+    for part in parts[1:]:
+        ufunc(out, part, out=out)
+
+
+def _describe(fp: tuple) -> str:
+    kind, shape, dtype, op, root = fp
+    bits = [kind]
+    if shape is not None:
+        bits.append(f"shape={tuple(shape)} dtype={np.dtype(dtype)}")
+    if op is not None:
+        bits.append(f"op={op!r}")
+    if root is not None:
+        bits.append(f"root={root}")
+    return " ".join(bits)
+
+
+def current_spawned_backend() -> LocalBackend | None:
+    """The LocalBackend of the simulated rank running on this thread, if any."""
+    return getattr(_current, "backend", None)

@@ -1,0 +1,200 @@
+"""Collectives, backend first: ``allreduce``, ``bcast``, ``reduce``, ``allgather``, ``barrier``.
+
+Every argument is checked on the calling rank before any byte is sent, so a bad call
+raises on that rank and leaves the world usable. Buffers are NumPy arrays or CPU
+torch tensors (:mod:`distutils_ml.arrays`); results land in the caller's buffer.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, TypeVar, overload
+
+import numpy as np
+
+from distutils_ml.arrays import HALF_DTYPES, check_op_dtype, result_view, source_view, to_float32, write_back
+from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
+
+__all__ = ["allreduce", "bcast", "reduce", "allgather", "barrier"]
+
+T = TypeVar("T")
+_SUM, _AVG = ReduceOp.SUM, ReduceOp.AVG
+
+
+def _check_root(backend: Backend, root: Any) -> int:
+    try:
+        r = operator.index(root)
+    except TypeError:
+        raise TypeError(f"root: got {root!r}; allowed: an int in 0..{backend.size - 1}") from None
+    if not 0 <= r < backend.size:
+        raise ValueError(f"root: got {r}; allowed: 0..{backend.size - 1} (total_workers is {backend.size})")
+    return r
+
+
+def _check_match(send: np.ndarray, sdt: str, recv: np.ndarray, rdt: str, shape: tuple[int, ...]) -> None:
+    if recv.shape != shape:
+        raise ValueError(f"recvbuf: got shape {tuple(recv.shape)}, expected {shape} (from sendbuf {tuple(send.shape)})")
+    if sdt != rdt:
+        raise ValueError(f"recvbuf: got dtype {rdt}, expected sendbuf's dtype {sdt}")
+    if np.may_share_memory(send, recv):
+        raise ValueError("sendbuf and recvbuf overlap; pass the same buffer once for the in-place form")
+
+
+def _two_buffers(sendbuf: Any, recvbuf: Any) -> tuple[np.ndarray | None, np.ndarray, str]:
+    """Views of (sendbuf, recvbuf); sendbuf None when both are one buffer (in place)."""
+    recv, dt = result_view(recvbuf, "recvbuf")
+    if sendbuf is recvbuf:
+        return None, recv, dt
+    send, sdt = source_view(sendbuf, "sendbuf")
+    _check_match(send, sdt, recv, dt, tuple(send.shape))
+    return send, recv, dt
+
+
+def _split_op(recvbuf: Any, op: Any) -> tuple[Any, Any]:
+    if op is None:
+        if recvbuf is None:
+            raise TypeError("op: missing; pass one of dml.SUM, dml.PROD, dml.MAX, dml.MIN, dml.AVG")
+        return None, recvbuf
+    return recvbuf, op
+
+
+@overload
+def allreduce(backend: Backend, buf: T, op: Any, /) -> T: ...
+@overload
+def allreduce(backend: Backend, sendbuf: Any, recvbuf: T, op: Any, /) -> T: ...
+def allreduce(backend: Backend, sendbuf: Any, recvbuf: Any = None, op: Any = None) -> Any:
+    """Reduce a buffer across all ranks; every rank gets the result.
+
+    ``allreduce(backend, buf, op)`` works in place and returns ``buf``;
+    ``allreduce(backend, sendbuf, recvbuf, op)`` writes into and returns ``recvbuf``.
+
+    Args:
+        backend: from ``dml.get_distributed_backend``.
+        sendbuf: NumPy array or CPU tensor (the in-place buffer in the 3-argument form).
+        recvbuf: result buffer of the same shape and dtype.
+        op: ``dml.SUM``, ``PROD``, ``MAX``, ``MIN``, ``AVG`` (or ``"sum"``, ``operator.add``, ``max``...).
+
+    Example:
+        >>> dml.allreduce(backend, grads, dml.AVG)
+    """
+    check_backend(backend, "allreduce")
+    recvbuf, op = _split_op(recvbuf, op)
+    op = resolve_op(op)
+    if recvbuf is None:
+        send, (recv, dt) = None, result_view(sendbuf, "buf")
+        out = sendbuf
+    else:
+        send, recv, dt = _two_buffers(sendbuf, recvbuf)
+        out = recvbuf
+    check_op_dtype(op, dt, "buf" if recvbuf is None else "sendbuf")
+    if dt in HALF_DTYPES and not backend.native_half_reductions:
+        work = to_float32(out, recv) if send is None else to_float32(sendbuf, send)
+        _allreduce_native(backend, None, work, op)
+        write_back(out, recv, work)
+    else:
+        _allreduce_native(backend, send, recv, op)
+    return out
+
+
+def _allreduce_native(backend: Backend, send: np.ndarray | None, recv: np.ndarray, op: ReduceOp) -> None:
+    if op is _AVG and not backend.native_avg:
+        backend._allreduce(send, recv, _SUM)
+        np.divide(recv, backend.size, out=recv)
+    else:
+        backend._allreduce(send, recv, op)
+
+
+@overload
+def bcast(backend: Backend, buf: T, /, *, root: int = 0) -> T: ...
+@overload
+def bcast(backend: Backend, sendbuf: Any, recvbuf: T, /, *, root: int = 0) -> T: ...
+def bcast(backend: Backend, sendbuf: Any, recvbuf: Any = None, *, root: int = 0) -> Any:
+    """Give every rank root's data.
+
+    ``bcast(backend, buf, root=0)`` overwrites ``buf`` in place on non-root ranks and
+    returns it; ``bcast(backend, sendbuf, recvbuf, root=0)`` fills ``recvbuf`` on every
+    rank, root included, from root's ``sendbuf`` (other ranks' ``sendbuf`` is not read).
+
+    Example:
+        >>> dml.bcast(backend, weights, root=0)
+    """
+    check_backend(backend, "bcast")
+    root = _check_root(backend, root)
+    if recvbuf is None:
+        buf, _ = result_view(sendbuf, "buf")
+        backend._bcast(buf, root)
+        return sendbuf
+    send, recv, _ = _two_buffers(sendbuf, recvbuf)
+    if send is not None and backend.rank == root:
+        np.copyto(recv, send)
+    backend._bcast(recv, root)
+    return recvbuf
+
+
+@overload
+def reduce(backend: Backend, buf: T, op: Any, /, *, root: int = 0) -> T: ...
+@overload
+def reduce(backend: Backend, sendbuf: Any, recvbuf: T, op: Any, /, *, root: int = 0) -> T: ...
+def reduce(backend: Backend, sendbuf: Any, recvbuf: Any = None, op: Any = None, *, root: int = 0) -> Any:
+    """Reduce a buffer across all ranks onto ``root``.
+
+    ``reduce(backend, buf, op, root=0)`` leaves the result in root's ``buf``; other
+    ranks' ``buf`` are unchanged. ``reduce(backend, sendbuf, recvbuf, op, root=0)``
+    writes root's ``recvbuf``; other ranks' ``recvbuf`` are untouched.
+
+    Example:
+        >>> dml.reduce(backend, loss_sum, dml.SUM, root=0)
+    """
+    check_backend(backend, "reduce")
+    recvbuf, op = _split_op(recvbuf, op)
+    op = resolve_op(op)
+    root = _check_root(backend, root)
+    if recvbuf is None:
+        send, (recv, dt) = None, result_view(sendbuf, "buf")
+        out = sendbuf
+    else:
+        send, recv, dt = _two_buffers(sendbuf, recvbuf)
+        out = recvbuf
+    check_op_dtype(op, dt, "buf" if recvbuf is None else "sendbuf")
+    is_root = backend.rank == root
+    if dt in HALF_DTYPES and not backend.native_half_reductions:
+        work = to_float32(out, recv) if send is None else to_float32(sendbuf, send)
+        _reduce_native(backend, None, work, op, root)
+        if is_root:
+            write_back(out, recv, work)
+    else:
+        _reduce_native(backend, send, recv, op, root)
+    return out
+
+
+def _reduce_native(backend: Backend, send: np.ndarray | None, recv: np.ndarray, op: ReduceOp, root: int) -> None:
+    if op is _AVG and not backend.native_avg:
+        backend._reduce(send, recv, _SUM, root)
+        if backend.rank == root:
+            np.divide(recv, backend.size, out=recv)
+    else:
+        backend._reduce(send, recv, op, root)
+
+
+def allgather(backend: Backend, sendbuf: Any, recvbuf: T) -> T:
+    """Gather every rank's ``sendbuf`` into ``recvbuf`` on every rank.
+
+    ``recvbuf`` has a leading axis of size ``total_workers``: ``recvbuf[k]`` is rank
+    k's ``sendbuf``.
+
+    Example:
+        >>> out = torch.empty(dml.total_workers(backend), *x.shape)
+        >>> dml.allgather(backend, x, out)
+    """
+    check_backend(backend, "allgather")
+    recv, rdt = result_view(recvbuf, "recvbuf")
+    send, sdt = source_view(sendbuf, "sendbuf")
+    _check_match(send, sdt, recv, rdt, (backend.size, *send.shape))
+    backend._allgather(send, recv)
+    return recvbuf
+
+
+def barrier(backend: Backend) -> None:
+    """Return once every rank has called ``barrier``."""
+    check_backend(backend, "barrier")
+    backend._barrier()

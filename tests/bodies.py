@@ -1,0 +1,308 @@
+"""Test bodies shared by every backend: each takes ``(backend, case)`` and asserts.
+
+A body runs on every rank. Every rank can rebuild every other rank's input from the
+case's seed, so expected results are computed locally, without communication. The
+same bodies run on ``LocalBackend.spawn`` (tests/test_collectives.py) and inside real
+``mpiexec`` jobs (tests/mpi_main.py), where hypothesis draws the same examples on
+every rank (derandomized).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+
+import distutils_ml as dml
+from distutils_ml.backends.base import resolve_op
+
+INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8")
+FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
+# Every accepted spelling of each op.
+SPELLINGS = {
+    dml.SUM: (dml.SUM, "sum", operator.add, dml.ReduceOp.SUM),
+    dml.PROD: (dml.PROD, "prod", operator.mul),
+    dml.MAX: (dml.MAX, "max", max),
+    dml.MIN: (dml.MIN, "min", min),
+    dml.AVG: (dml.AVG, "avg"),
+}
+# Allowed error, relative to the sum of |inputs|, of a float reduction in each dtype.
+RTOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 2e-6, "float64": 1e-13}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One drawn collective call."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str  # "numpy" or "torch"
+    op: Any  # an accepted spelling
+    root_draw: int  # root = root_draw % world size
+    in_place: bool
+    strided_send: bool  # two-buffer form: pass a non-contiguous sendbuf
+    seed: int
+
+    def root(self, size: int) -> int:
+        return self.root_draw % size
+
+
+@st.composite
+def cases(draw: st.DrawFn, *, reduction: bool = True, max_elems: int = 64) -> Case:
+    """A random collective call: shape (0-d and empty included), dtype, op, kind, root."""
+    op = draw(st.sampled_from(list(SPELLINGS))) if reduction else dml.SUM
+    spelling = draw(st.sampled_from(SPELLINGS[op])) if reduction else None
+    dtypes = list(FLOAT_DTYPES)
+    if op is not dml.AVG or not reduction:
+        dtypes += INT_DTYPES
+    if op in (dml.MAX, dml.MIN) or not reduction:
+        dtypes.append("bool")
+    dtype = draw(st.sampled_from(dtypes))
+    kind = "torch" if dtype == "bfloat16" else draw(st.sampled_from(["numpy", "torch"]))
+    ndim = draw(st.integers(0, 3))
+    shape = tuple(draw(st.lists(st.integers(0, 5), min_size=ndim, max_size=ndim)))
+    if int(np.prod(shape)) > max_elems:
+        shape = shape[:1]
+    in_place = draw(st.booleans())
+    return Case(
+        shape=shape,
+        dtype=dtype,
+        kind=kind,
+        op=spelling,
+        root_draw=draw(st.integers(0, 63)),
+        in_place=in_place,
+        strided_send=not in_place and draw(st.booleans()),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+# -- inputs and expected results ---------------------------------------------------------
+
+
+def values(case: Case, rank: int) -> np.ndarray:
+    """Rank ``rank``'s input as float64/int64/bool values that ``case.dtype`` holds exactly."""
+    rng = np.random.default_rng([case.seed, rank])
+    op = dml.SUM if case.op is None else resolve_op(case.op)
+    if case.dtype == "bool":
+        return rng.random(case.shape) < 0.5
+    if case.dtype in INT_DTYPES:
+        lo = 0 if case.dtype.startswith("u") else -2
+        hi = 2 if op is dml.PROD else 3
+        return rng.integers(lo, hi + 1, size=case.shape).astype(np.int64)
+    if op is dml.PROD:
+        v = rng.uniform(0.5, 2.0, case.shape) * rng.choice([-1.0, 1.0], case.shape)
+    else:
+        v = rng.uniform(-10.0, 10.0, case.shape)
+    return as_float64(make(case, v))
+
+
+def make(case: Case, v: np.ndarray) -> Any:
+    """A fresh buffer of the case's kind and dtype holding ``v`` (and ``v``'s shape)."""
+    if case.kind == "numpy":
+        return np.array(v).astype(case.dtype)
+    return torch.from_numpy(np.array(v)).to(getattr(torch, case.dtype)).clone()
+
+
+def as_float64(buf: Any) -> np.ndarray:
+    """The values of a buffer, as float64 (int64 for integers, bool for bool)."""
+    if isinstance(buf, torch.Tensor):
+        if buf.dtype == torch.bool:
+            return buf.numpy().copy()
+        if buf.is_floating_point():
+            return buf.to(torch.float64).numpy()
+        return buf.to(torch.int64).numpy()
+    if buf.dtype == np.bool_:
+        return buf.copy()
+    return buf.astype(np.float64 if buf.dtype.kind == "f" else np.int64)
+
+
+def sendbuf(case: Case, v: np.ndarray) -> Any:
+    """The case's send buffer holding ``v``: contiguous, or a strided view when asked."""
+    if not case.strided_send or case.shape == ():
+        return make(case, v)
+    big = make(case, np.repeat(np.asarray(v)[..., None], 2, axis=-1))
+    return big[..., 0]
+
+
+def expected_reduction(case: Case, inputs: list[np.ndarray]) -> np.ndarray:
+    op = resolve_op(case.op)
+    if op is dml.MAX:
+        return np.maximum.reduce(inputs) if len(inputs) > 1 else inputs[0]
+    if op is dml.MIN:
+        return np.minimum.reduce(inputs) if len(inputs) > 1 else inputs[0]
+    if op is dml.PROD:
+        return np.prod(np.stack(inputs), axis=0)
+    total = np.sum(np.stack(inputs), axis=0)
+    return total / len(inputs) if op is dml.AVG else total
+
+
+def assert_reduced(case: Case, got: Any, inputs: list[np.ndarray]) -> None:
+    """``got`` holds the reduction of ``inputs``: exact for ints/bool/MAX/MIN, else to dtype tolerance."""
+    exp = expected_reduction(case, inputs)
+    g = as_float64(got)
+    assert g.shape == exp.shape, (g.shape, exp.shape)
+    op = resolve_op(case.op)
+    if case.dtype in FLOAT_DTYPES and op not in (dml.MAX, dml.MIN):
+        scale = np.sum(np.abs(np.stack(inputs)), axis=0) if op is not dml.PROD else np.abs(exp)
+        if op is dml.AVG:
+            scale = scale / len(inputs)
+        bad = np.abs(g - exp) > RTOL[case.dtype] * scale + 1e-30
+        assert not bad.any(), f"{case}: got {g[bad][:5]}, expected {exp[bad][:5]}"
+    else:
+        np.testing.assert_array_equal(g, exp, err_msg=str(case))
+
+
+def assert_same(got: Any, exp: np.ndarray, what: str) -> None:
+    np.testing.assert_array_equal(as_float64(got), exp, err_msg=what)
+
+
+# -- bodies -------------------------------------------------------------------------------
+
+
+def allreduce_body(backend: dml.Backend, case: Case) -> np.ndarray:
+    """allreduce equals the element-wise reduction of all ranks' inputs."""
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    inputs = [values(case, r) for r in range(size)]
+    if case.in_place:
+        buf = make(case, inputs[rank])
+        out = dml.allreduce(backend, buf, case.op)
+        assert out is buf
+    else:
+        send = sendbuf(case, inputs[rank])
+        recv = make(case, np.zeros(case.shape))
+        out = dml.allreduce(backend, send, recv, case.op)
+        assert out is recv
+        assert_same(send, inputs[rank], "allreduce changed sendbuf")
+    assert_reduced(case, out, inputs)
+    return as_float64(out)
+
+
+def bcast_body(backend: dml.Backend, case: Case) -> np.ndarray:
+    """bcast gives every rank root's data and leaves root's data alone."""
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    root = case.root(size)
+    inputs = [values(case, r) for r in range(size)]
+    if case.in_place:
+        buf = make(case, inputs[rank])
+        out = dml.bcast(backend, buf, root=root)
+        assert out is buf
+    else:
+        send = sendbuf(case, inputs[rank])
+        recv = make(case, np.zeros(case.shape))
+        out = dml.bcast(backend, send, recv, root=root)
+        assert out is recv
+        assert_same(send, inputs[rank], "bcast changed sendbuf")
+    assert_same(out, inputs[root], f"bcast from root {root}: {case}")
+    return as_float64(out)
+
+
+def reduce_body(backend: dml.Backend, case: Case) -> np.ndarray:
+    """reduce puts the result on root and leaves other ranks' buffers unchanged."""
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    root = case.root(size)
+    inputs = [values(case, r) for r in range(size)]
+    if case.in_place:
+        buf = make(case, inputs[rank])
+        out = dml.reduce(backend, buf, case.op, root=root)
+        assert out is buf
+        untouched = inputs[rank]
+    else:
+        send = sendbuf(case, inputs[rank])
+        recv = make(case, np.ones(case.shape))
+        untouched = as_float64(recv)
+        out = dml.reduce(backend, send, recv, case.op, root=root)
+        assert out is recv
+        assert_same(send, inputs[rank], "reduce changed sendbuf")
+    if rank == root:
+        assert_reduced(case, out, inputs)
+    else:
+        assert_same(out, untouched, f"reduce changed rank {rank}'s buffer (root {root})")
+    return as_float64(out)
+
+
+def allgather_body(backend: dml.Backend, case: Case) -> np.ndarray:
+    """allgather stacks every rank's sendbuf in rank order."""
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    inputs = [values(case, r) for r in range(size)]
+    send = sendbuf(case, inputs[rank])
+    recv = make(case, np.zeros((size, *case.shape)))
+    out = dml.allgather(backend, send, recv)
+    assert out is recv
+    assert_same(send, inputs[rank], "allgather changed sendbuf")
+    assert_same(out, np.stack(inputs), f"allgather: {case}")
+    return as_float64(out)
+
+
+BODIES = {
+    "allreduce": allreduce_body,
+    "bcast": bcast_body,
+    "reduce": reduce_body,
+    "allgather": allgather_body,
+}
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+
+def bad_calls(backend: dml.Backend) -> list[tuple[str, type[Exception], str, Any]]:
+    """(name, exception type, message fragment, call) for every documented bad input."""
+    size = dml.total_workers(backend)
+    f32 = np.zeros(4, dtype=np.float32)
+    t32 = torch.zeros(4)
+    ro = np.zeros(4, dtype=np.float32)
+    ro.flags.writeable = False
+    b = backend
+    return [
+        ("unknown op string", ValueError, "op: got 'mean'", lambda: dml.allreduce(b, f32, "mean")),
+        ("unknown op object", ValueError, "op: got", lambda: dml.allreduce(b, f32, operator.sub)),
+        ("unhashable op", ValueError, "op: got [1]", lambda: dml.reduce(b, f32, [1])),
+        ("missing op", TypeError, "op: missing", lambda: dml.allreduce(b, f32)),
+        ("root too large", ValueError, f"root: got {size}", lambda: dml.bcast(b, f32, root=size)),
+        ("root negative", ValueError, "root: got -1", lambda: dml.reduce(b, f32, dml.SUM, root=-1)),
+        ("root not an int", TypeError, "root: got 0.5", lambda: dml.bcast(b, f32, root=0.5)),
+        ("shape mismatch", ValueError, "recvbuf: got shape (5,)", lambda: dml.allreduce(b, f32, np.zeros(5, np.float32), dml.SUM)),
+        ("dtype mismatch", ValueError, "recvbuf: got dtype float64", lambda: dml.allreduce(b, f32, np.zeros(4), dml.SUM)),
+        ("dtype mismatch bcast", ValueError, "dtype", lambda: dml.bcast(b, t32, torch.zeros(4, dtype=torch.int32))),
+        ("non-contiguous numpy", ValueError, "non-contiguous", lambda: dml.allreduce(b, np.zeros(8, np.float32)[::2], dml.SUM)),
+        ("non-contiguous torch", ValueError, "non-contiguous", lambda: dml.bcast(b, torch.zeros(4, 4).t())),
+        ("non-contiguous recvbuf", ValueError, "recvbuf: a non-contiguous", lambda: dml.reduce(b, t32, torch.zeros(8)[::2], dml.SUM)),
+        ("read-only result", ValueError, "read-only", lambda: dml.allreduce(b, ro, dml.MAX)),
+        ("allgather wrong leading axis", ValueError, f"expected ({size}, 4)", lambda: dml.allgather(b, f32, np.zeros((size + 1, 4), np.float32))),
+        ("allgather missing axis", ValueError, "recvbuf: got shape (4,)", lambda: dml.allgather(b, f32, np.zeros(4, np.float32))),
+        ("overlapping buffers", ValueError, "overlap", lambda: dml.allreduce(b, f32[0:3], f32[1:4], dml.SUM)),
+        ("list buffer", TypeError, "allowed: numpy.ndarray or a CPU torch.Tensor", lambda: dml.allreduce(b, [1.0, 2.0], dml.SUM)),
+        ("scalar buffer", TypeError, "buf: got builtins.float", lambda: dml.bcast(b, 1.0)),
+        ("complex dtype", TypeError, "complex128", lambda: dml.allreduce(b, np.zeros(2, complex), dml.SUM)),
+        ("AVG on int", TypeError, "AVG needs a floating-point buffer, got dtype int32", lambda: dml.allreduce(b, np.zeros(3, np.int32), dml.AVG)),
+        ("AVG on bool", TypeError, "dtype bool", lambda: dml.reduce(b, torch.zeros(3, dtype=torch.bool), "avg")),
+        ("SUM on bool", TypeError, "bool buffers allow only", lambda: dml.allreduce(b, np.zeros(3, bool), dml.SUM)),
+        ("backend missing", TypeError, "first argument must be a backend", lambda: dml.allreduce(f32, dml.SUM)),
+        ("backend class", TypeError, "the class", lambda: dml.barrier(type(b))),
+    ]  # fmt: skip
+
+
+def bad_input_body(backend: dml.Backend, culprit: int) -> int:
+    """Each bad call raises on rank ``culprit`` alone; then a good allreduce works everywhere.
+
+    Were a bad call to send anything before raising, the good allreduce that follows
+    would mismatch it and fail (or hang, which the runner's timeout turns into a failure).
+    """
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    checked = 0
+    for name, exc_type, fragment, call in bad_calls(backend):
+        if rank == culprit % size:
+            try:
+                call()
+            except exc_type as e:
+                assert fragment in str(e), f"{name}: message {str(e)!r} lacks {fragment!r}"
+            else:
+                raise AssertionError(f"{name}: no {exc_type.__name__} raised")
+        buf = np.full(3, float(rank + 1))
+        dml.allreduce(backend, buf, dml.SUM)
+        assert (buf == size * (size + 1) / 2).all(), f"after {name}: {buf}"
+        checked += 1
+    return checked

@@ -1,0 +1,117 @@
+"""LocalBackend: the simulated world's semantics, failure handling and isolation."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import distutils_ml as dml
+from distutils_ml.backends.local import RankFailedError
+
+
+def test_spawn_returns_results_in_rank_order() -> None:
+    def fn(b: dml.Backend, offset: int) -> tuple[int, int]:
+        time.sleep(0.01 * (3 - dml.local_rank(b)))  # finish in reverse order
+        return dml.local_rank(b) + offset, dml.total_workers(b)
+
+    assert dml.LocalBackend.spawn(4, fn, 10) == [(10, 4), (11, 4), (12, 4), (13, 4)]
+
+
+@pytest.mark.parametrize("culprit", [0, 1, 2])
+def test_exception_releases_waiting_ranks_and_is_reraised(culprit: int) -> None:
+    def fn(b: dml.Backend) -> None:
+        if dml.local_rank(b) == culprit:
+            time.sleep(0.2)
+            raise KeyError(f"boom on {culprit}")
+        dml.allreduce(b, np.ones(3), dml.SUM)
+
+    start = time.monotonic()
+    with pytest.raises(KeyError, match=f"boom on {culprit}"):
+        dml.LocalBackend.spawn(3, fn, timeout=30)
+    assert time.monotonic() - start < 1.5
+
+
+def test_rank_that_returns_early_fails_the_waiters() -> None:
+    def fn(b: dml.Backend) -> None:
+        if dml.local_rank(b) != 0:
+            dml.barrier(b)
+
+    with pytest.raises(RankFailedError, match=r"rank\(s\) \[0\] already returned"):
+        dml.LocalBackend.spawn(3, fn, timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("call", "fragment"),
+    [
+        (lambda b, r: dml.allreduce(b, np.zeros(2 + r), dml.SUM), "shape=(2,)"),
+        (lambda b, r: dml.allreduce(b, np.zeros(2), dml.SUM if r == 0 else dml.MAX), "op=dml.MAX"),
+        (lambda b, r: dml.bcast(b, np.zeros(2), root=r), "root=1"),
+        (lambda b, r: dml.barrier(b) if r == 0 else dml.bcast(b, np.zeros(1)), "rank 0: barrier"),
+    ],
+)
+def test_mismatched_collectives_raise_on_every_rank(call, fragment: str) -> None:
+    with pytest.raises(RuntimeError, match="mismatched collectives") as info:
+        dml.LocalBackend.spawn(2, lambda b: call(b, dml.local_rank(b)), timeout=30)
+    assert fragment in str(info.value)
+
+
+def test_ranks_never_alias_each_others_buffers() -> None:
+    def fn(b: dml.Backend) -> list:
+        r = dml.local_rank(b)
+        a = torch.full((4,), float(r))
+        dml.allreduce(b, a, dml.SUM)
+        c = np.full(4, r)
+        dml.bcast(b, c, root=1)
+        g = np.empty((3, 4))
+        dml.allgather(b, c.astype(float), g)
+        return [a, c, g]
+
+    out = dml.LocalBackend.spawn(3, fn, timeout=30)
+    arrays = [np.asarray(x) for rank in out for x in rank]
+    for i, x in enumerate(arrays):
+        for y in arrays[i + 1 :]:
+            assert not np.shares_memory(x, y)
+    out[0][0].add_(100)  # a later write on one rank is invisible to the others
+    assert out[1][0].tolist() == [3.0] * 4
+
+
+def test_get_distributed_backend_inside_spawn_is_the_ranks_backend() -> None:
+    def fn(b: dml.Backend) -> bool:
+        dml.initialize(dml.LocalBackend)  # a no-op inside a simulated rank
+        return dml.initialized(dml.LocalBackend) and dml.get_distributed_backend(dml.LocalBackend) is b
+
+    assert dml.LocalBackend.spawn(3, fn) == [True] * 3
+
+
+def test_spawn_timeout_names_the_stuck_ranks() -> None:
+    release = threading.Event()
+
+    def fn(b: dml.Backend) -> None:
+        if dml.local_rank(b) == 1:
+            release.wait(10)
+
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] still running"):
+        dml.LocalBackend.spawn(2, fn, timeout=0.3)
+    release.set()
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5, True, "2"])
+def test_spawn_rejects_bad_world_size(size) -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        dml.LocalBackend.spawn(size, lambda b: None)
+
+
+def test_spawn_rejects_non_callable() -> None:
+    with pytest.raises(TypeError, match="fn: got int"):
+        dml.LocalBackend.spawn(2, 3)
+
+
+def test_object_broadcast_returns_roots_object() -> None:
+    def fn(b: dml.Backend):
+        return b._bcast_object({"rank": dml.local_rank(b), "s": "x" * dml.local_rank(b)}, root=2)
+
+    assert dml.LocalBackend.spawn(3, fn) == [{"rank": 2, "s": "xx"}] * 3
