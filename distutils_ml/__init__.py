@@ -11,6 +11,7 @@ Backend-first functions in the style of Lux.jl's ``DistributedUtils``::
 
 from distutils_ml.backends.base import Backend, ReduceOp
 from distutils_ml.backends.local import LocalBackend
+from distutils_ml.backends.mpi import MPIBackend
 from distutils_ml.collectives import allgather, allreduce, barrier, bcast, reduce
 from distutils_ml.printing import print
 from distutils_ml.registry import get_distributed_backend, initialize, initialized, local_rank, total_workers
@@ -31,6 +32,7 @@ __all__ = [
     "SUM",
     "Backend",
     "LocalBackend",
+    "MPIBackend",
     "ReduceOp",
     "allgather",
     "allreduce",

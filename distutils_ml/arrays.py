@@ -17,6 +17,7 @@ from distutils_ml.backends.base import ReduceOp
 __all__ = [
     "ArrayLike",
     "HALF_DTYPES",
+    "OP_DTYPE_OK",
     "FLOAT_DTYPES",
     "check_op_dtype",
     "result_view",
@@ -66,7 +67,7 @@ FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 _INT_DTYPES = frozenset(n for n in _NP_DTYPES.values() if n.startswith(("int", "uint")))
 
 # (op, dtype) pairs a reduction accepts; anything else is a TypeError.
-_OP_DTYPE_OK = frozenset(
+OP_DTYPE_OK = frozenset(
     [(op, dt) for op in (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN) for dt in FLOAT_DTYPES | _INT_DTYPES]
     + [(ReduceOp.AVG, dt) for dt in FLOAT_DTYPES]
     + [(ReduceOp.MAX, "bool"), (ReduceOp.MIN, "bool")]
@@ -75,7 +76,7 @@ _OP_DTYPE_OK = frozenset(
 
 def check_op_dtype(op: ReduceOp, dt: str, name: str) -> None:
     """Raise ``TypeError`` when reduction ``op`` is not defined for dtype ``dt``."""
-    if (op, dt) in _OP_DTYPE_OK:
+    if (op, dt) in OP_DTYPE_OK:
         return
     if op is ReduceOp.AVG:
         raise TypeError(
@@ -96,51 +97,63 @@ def _type_error(buf: Any, name: str) -> TypeError:
     )
 
 
-def _view(buf: Any, name: str) -> tuple[np.ndarray, str]:
-    """A NumPy array sharing ``buf``'s memory, and ``buf``'s dtype name."""
-    if isinstance(buf, np.ndarray):
-        dt = _NP_DTYPES.get(buf.dtype)
-        if dt is None:
-            raise TypeError(f"{name}: dtype {buf.dtype} is not supported; allowed: {_ALLOWED_DTYPES}")
-        return buf, dt
-    if isinstance(buf, torch.Tensor):
-        if not buf.is_cpu:
-            raise _type_error(buf, name)
-        dt = _TORCH_DTYPES.get(buf.dtype)
-        if dt is None:
-            raise TypeError(f"{name}: dtype {buf.dtype} is not supported; allowed: {_ALLOWED_DTYPES}")
-        if buf.requires_grad:
-            buf = buf.detach()
-        if dt == "bfloat16":
-            buf = buf.view(torch.int16)
-        return buf.numpy(), dt
-    raise _type_error(buf, name)
+def _torch_view(buf: torch.Tensor, name: str, contiguous: bool) -> tuple[np.ndarray, str]:
+    if not buf.is_cpu:
+        raise _type_error(buf, name)
+    dt = _TORCH_DTYPES.get(buf.dtype)
+    if dt is None:
+        raise TypeError(f"{name}: dtype {buf.dtype} is not supported; allowed: {_ALLOWED_DTYPES}")
+    if contiguous and not buf.is_contiguous():
+        raise _not_contiguous(name, buf.shape)
+    if buf.requires_grad:
+        buf = buf.detach()
+    if dt == "bfloat16":
+        buf = buf.view(torch.int16)
+    return buf.numpy(), dt
+
+
+def _not_contiguous(name: str, shape: Any) -> ValueError:
+    return ValueError(
+        f"{name}: a non-contiguous buffer of shape {tuple(shape)} cannot receive a result in place; "
+        "pass a contiguous buffer (tensor.contiguous() / numpy.ascontiguousarray) and copy back"
+    )
 
 
 def result_view(buf: Any, name: str) -> tuple[np.ndarray, str]:
-    """A writable, C-contiguous NumPy view of a buffer that receives a result.
+    """A writable, C-contiguous NumPy view of a buffer that receives a result, and its dtype name.
 
     Raises:
         TypeError: not a NumPy array or CPU tensor, or an unsupported dtype.
         ValueError: not C-contiguous, or read-only.
     """
-    arr, dt = _view(buf, name)
-    if not arr.flags.c_contiguous:
-        raise ValueError(
-            f"{name}: a non-contiguous buffer of shape {tuple(arr.shape)} cannot receive a result in place; "
-            "pass a contiguous buffer (tensor.contiguous() / numpy.ascontiguousarray) and copy back"
-        )
-    if not arr.flags.writeable:
-        raise ValueError(f"{name}: the array is read-only and cannot receive a result; pass a writable array")
-    return arr, dt
+    if isinstance(buf, np.ndarray):
+        dt = _NP_DTYPES.get(buf.dtype)
+        if dt is None:
+            raise TypeError(f"{name}: dtype {buf.dtype} is not supported; allowed: {_ALLOWED_DTYPES}")
+        flags = buf.flags
+        if not flags.c_contiguous:
+            raise _not_contiguous(name, buf.shape)
+        if not flags.writeable:
+            raise ValueError(f"{name}: the array is read-only and cannot receive a result; pass a writable array")
+        return buf, dt
+    if isinstance(buf, torch.Tensor):
+        return _torch_view(buf, name, True)
+    raise _type_error(buf, name)
 
 
 def source_view(buf: Any, name: str) -> tuple[np.ndarray, str]:
-    """A C-contiguous NumPy array with ``buf``'s data (a view where possible, else a copy)."""
-    arr, dt = _view(buf, name)
-    if not arr.flags.c_contiguous:
-        arr = np.ascontiguousarray(arr)
-    return arr, dt
+    """A C-contiguous NumPy array with ``buf``'s data (a view where possible, else a copy), and its dtype name."""
+    if isinstance(buf, np.ndarray):
+        dt = _NP_DTYPES.get(buf.dtype)
+        if dt is None:
+            raise TypeError(f"{name}: dtype {buf.dtype} is not supported; allowed: {_ALLOWED_DTYPES}")
+    elif isinstance(buf, torch.Tensor):
+        buf, dt = _torch_view(buf, name, False)
+    else:
+        raise _type_error(buf, name)
+    if not buf.flags.c_contiguous:
+        buf = np.ascontiguousarray(buf)
+    return buf, dt
 
 
 def to_float32(buf: Any, arr: np.ndarray) -> np.ndarray:

@@ -12,7 +12,15 @@ from typing import Any, TypeVar, overload
 
 import numpy as np
 
-from distutils_ml.arrays import HALF_DTYPES, check_op_dtype, result_view, source_view, to_float32, write_back
+from distutils_ml.arrays import (
+    HALF_DTYPES,
+    OP_DTYPE_OK,
+    check_op_dtype,
+    result_view,
+    source_view,
+    to_float32,
+    write_back,
+)
 from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
 
 __all__ = ["allreduce", "bcast", "reduce", "allgather", "barrier"]
@@ -78,19 +86,24 @@ def allreduce(backend: Backend, sendbuf: Any, recvbuf: Any = None, op: Any = Non
         >>> dml.allreduce(backend, grads, dml.AVG)
     """
     check_backend(backend, "allreduce")
-    recvbuf, op = _split_op(recvbuf, op)
-    op = resolve_op(op)
+    if op is None:
+        recvbuf, op = _split_op(recvbuf, op)
+    if type(op) is not ReduceOp:
+        op = resolve_op(op)
     if recvbuf is None:
         send, (recv, dt) = None, result_view(sendbuf, "buf")
         out = sendbuf
     else:
         send, recv, dt = _two_buffers(sendbuf, recvbuf)
         out = recvbuf
-    check_op_dtype(op, dt, "buf" if recvbuf is None else "sendbuf")
+    if (op, dt) not in OP_DTYPE_OK:
+        check_op_dtype(op, dt, "buf" if recvbuf is None else "sendbuf")
     if dt in HALF_DTYPES and not backend.native_half_reductions:
         work = to_float32(out, recv) if send is None else to_float32(sendbuf, send)
         _allreduce_native(backend, None, work, op)
         write_back(out, recv, work)
+    elif op is not _AVG or backend.native_avg:
+        backend._allreduce(send, recv, op)
     else:
         _allreduce_native(backend, send, recv, op)
     return out

@@ -306,3 +306,48 @@ def bad_input_body(backend: dml.Backend, culprit: int) -> int:
         assert (buf == size * (size + 1) / 2).all(), f"after {name}: {buf}"
         checked += 1
     return checked
+
+
+# -- large and odd sizes (segmented reductions) ---------------------------------------------
+
+
+def large_input(n: int, dtype: str, op: Any, rank: int) -> np.ndarray:
+    """Cheap rank-dependent data whose reductions are exact in ``dtype``."""
+    base = np.arange(n, dtype=np.int64)
+    v = (base + rank) % 2 + 1 if resolve_op(op) is dml.PROD else (base * 7 + rank * 3) % 11
+    return v.astype(dtype)
+
+
+def large_body(backend: dml.Backend, n: int, dtype: str, op: Any, in_place: bool) -> None:
+    """Reductions and data movement of ``n`` elements (sizes across segment boundaries)."""
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    rop = resolve_op(op)
+    mine = large_input(n, dtype, op, rank)
+    if rop is dml.AVG:
+        exp = sum(large_input(n, "float64", dml.SUM, r) for r in range(size)) / size
+    elif rop is dml.SUM:
+        exp = sum(large_input(n, "float64", dml.SUM, r) for r in range(size))
+    else:
+        ufunc = {dml.PROD: np.multiply, dml.MAX: np.maximum, dml.MIN: np.minimum}[rop]
+        exp = large_input(n, "float64", op, 0)
+        for r in range(1, size):
+            exp = ufunc(exp, large_input(n, "float64", op, r))
+    if in_place:
+        out = dml.allreduce(backend, mine, op)
+    else:
+        out = dml.allreduce(backend, mine, np.empty_like(mine), op)
+        np.testing.assert_array_equal(mine, large_input(n, dtype, op, rank))
+    if rop is dml.AVG:
+        np.testing.assert_allclose(out, exp, rtol=1e-6)
+    else:
+        np.testing.assert_array_equal(out, exp, err_msg=f"allreduce n={n} {dtype} {op}")
+    root = n % size
+    buf = large_input(n, dtype, op, rank)
+    dml.reduce(backend, buf, op, root=root)
+    if rank == root and rop is not dml.AVG:
+        np.testing.assert_array_equal(buf, exp, err_msg=f"reduce n={n} {dtype} {op}")
+    elif rank != root:
+        np.testing.assert_array_equal(buf, large_input(n, dtype, op, rank))
+    buf = large_input(n, dtype, op, rank)
+    dml.bcast(backend, buf, root=root)
+    np.testing.assert_array_equal(buf, large_input(n, dtype, op, root), err_msg=f"bcast n={n}")

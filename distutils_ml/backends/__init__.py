@@ -2,5 +2,6 @@
 
 from distutils_ml.backends.base import Backend, ReduceOp
 from distutils_ml.backends.local import LocalBackend
+from distutils_ml.backends.mpi import MPIBackend
 
-__all__ = ["Backend", "LocalBackend", "ReduceOp"]
+__all__ = ["Backend", "LocalBackend", "MPIBackend", "ReduceOp"]

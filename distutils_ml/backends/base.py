@@ -30,6 +30,10 @@ class ReduceOp(enum.Enum):
     MIN = "min"
     AVG = "avg"
 
+    # Members are singletons compared by identity: hash them by identity too (C speed;
+    # Enum's default hashes the name in Python, which costs on every collective).
+    __hash__ = object.__hash__
+
     def __repr__(self) -> str:
         return f"dml.{self.name}"
 

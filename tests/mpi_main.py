@@ -1,0 +1,119 @@
+"""The MPI side of the tests: run with ``mpiexec -n N python tests/mpi_main.py CHECK...``.
+
+Each CHECK runs on every rank. Property checks use the bodies of tests/bodies.py with
+hypothesis derandomized, so every rank draws the same examples; a failing body prints
+its rank, case and traceback and aborts the job at once (no shrinking: the other
+ranks could not follow it). Rank 0 ends with ``MPI CHECKS PASSED`` when all passed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+from hypothesis import HealthCheck, Phase, given, settings
+from mpi4py import MPI
+
+import distutils_ml as dml
+
+import bodies
+
+EXAMPLES = 100
+SETTINGS = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    phases=[Phase.generate],
+    suppress_health_check=list(HealthCheck),
+)
+
+
+def guarded(fn: Any, *args: Any) -> Any:
+    """Run ``fn``; on any failure print rank, arguments and traceback, then abort the job."""
+    try:
+        return fn(*args)
+    except BaseException:
+        rank = MPI.COMM_WORLD.Get_rank()
+        sys.stderr.write(f"[rank {rank}] CHECK FAILED: {fn.__name__}{args[1:]!r}\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(3)
+
+
+def property_check(backend: dml.Backend, name: str, examples: int) -> int:
+    count = 0
+
+    @settings(SETTINGS, max_examples=examples)
+    @given(case=bodies.cases(reduction=name in ("allreduce", "reduce")))
+    def run(case: bodies.Case) -> None:
+        nonlocal count
+        guarded(bodies.BODIES[name], backend, case)
+        count += 1
+
+    run()
+    return count
+
+
+def main(checks: list[str]) -> None:
+    dml.initialize(dml.MPIBackend)
+    world = dml.get_distributed_backend(dml.MPIBackend)
+    # The same bodies on a backend with tiny segments exercise the segmented paths.
+    tiny = dml.MPIBackend(segment_bytes=16)
+    rank = dml.local_rank(world)
+    for check in checks:
+        start = time.perf_counter()
+        if check == "properties":
+            counts = {
+                f"{name}@{label}": property_check(b, name, EXAMPLES)
+                for name in bodies.BODIES
+                for label, b in (("default", world), ("segment16", tiny))
+            }
+            detail = counts
+        elif check == "bad_input":
+            detail = [guarded(bodies.bad_input_body, world, culprit) for culprit in range(world.size)]
+        elif check == "large":
+            mib = 1024 * 1024
+            sizes = [1, 3, 4 * mib // 4 - 1, 4 * mib // 4 + 1, 16 * mib // 8 + 3, 64 * mib // 4 + 5]
+            runs = 0
+            for n in sizes:
+                big = n > 4 * mib  # the 64 MiB case: the ops whose paths differ
+                for dtype in ["float32"] if big else ["float32", "float64", "int32", "uint8"]:
+                    for op in ("sum", "avg") if big else ("sum", "prod", "max", "min", "avg"):
+                        if op == "avg" and not dtype.startswith("float"):
+                            continue
+                        guarded(bodies.large_body, world, n, dtype, op, runs % 2 == 0)
+                        runs += 1
+            detail = runs
+        elif check == "subcomm":
+            sub = MPI.COMM_WORLD.Split(color=rank % 2, key=rank)
+            half = dml.MPIBackend(comm=sub)
+            buf = np.array([float(rank)])
+            dml.allreduce(half, buf, dml.SUM)
+            expected = sum(r for r in range(world.size) if r % 2 == rank % 2)
+            assert buf[0] == expected, (buf, expected)
+            assert dml.total_workers(half) == sub.Get_size()
+            detail = {"sub_size": half.size, "node_local_rank": world.node_local_rank, "node_size": world.node_size}
+            assert world.node_size == world.size  # one machine
+        elif check == "objects":
+            got = world._bcast_object({"rank": rank, "x": [1, "two", None, 3.5]} if rank == 1 else None, 1)
+            assert got == {"rank": 1, "x": [1, "two", None, 3.5]}, got
+            detail = "ok"
+        elif check.startswith("raise_on_rank"):
+            culprit = int(check.removeprefix("raise_on_rank"))
+            if rank == culprit:
+                time.sleep(0.5)
+                raise RuntimeError(f"deliberate failure on rank {rank}")
+            dml.allreduce(world, np.ones(4), dml.SUM)  # the others wait here until the abort
+            detail = "not aborted"
+        else:
+            raise SystemExit(f"unknown check {check!r}")
+        dml.print(world, f"check {check} passed in {time.perf_counter() - start:.1f}s: {detail}")
+    dml.barrier(world)
+    if rank == 0:
+        print(f"MPI CHECKS PASSED: {' '.join(checks)} on {world.size} ranks", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

