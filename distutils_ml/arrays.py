@@ -20,6 +20,7 @@ __all__ = [
     "OP_DTYPE_OK",
     "FLOAT_DTYPES",
     "check_op_dtype",
+    "dtype_name",
     "result_view",
     "source_view",
     "to_float32",
@@ -72,6 +73,19 @@ OP_DTYPE_OK = frozenset(
     + [(ReduceOp.AVG, dt) for dt in FLOAT_DTYPES]
     + [(ReduceOp.MAX, "bool"), (ReduceOp.MIN, "bool")]
 )
+
+
+def dtype_name(buf: ArrayLike) -> str:
+    """The portable dtype name (``"float32"``, ``"bfloat16"``...) of a NumPy array or tensor.
+
+    Raises:
+        TypeError: an unsupported dtype.
+    """
+    table: dict[Any, str] = _TORCH_DTYPES if isinstance(buf, torch.Tensor) else _NP_DTYPES  # type: ignore[assignment]
+    name = table.get(buf.dtype)
+    if name is None:
+        raise TypeError(f"dtype {buf.dtype} is not supported; allowed: {_ALLOWED_DTYPES}")
+    return name
 
 
 def check_op_dtype(op: ReduceOp, dt: str, name: str) -> None:

@@ -1,0 +1,276 @@
+"""Bodies for synchronize and DistributedOptimizer, run on LocalBackend and under MPI.
+
+Each rank can rebuild every rank's data from the case, so expected values (root's
+tree, big-batch training on one model) are computed locally.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+
+import distutils_ml as dml
+
+Pair = collections.namedtuple("Pair", "tensor number")
+
+
+@dataclass
+class Holder:
+    """A dataclass leaf container."""
+
+    array: np.ndarray
+    label: str
+
+
+@dataclass(frozen=True)
+class Frozen:
+    value: Any
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def make_model(seed: int, hidden: int = 16, bn: bool = True) -> torch.nn.Module:
+    """A small MLP (with BatchNorm) whose weights depend only on ``seed``."""
+    layers: list[torch.nn.Module] = [torch.nn.Linear(3, hidden), torch.nn.Tanh()]
+    if bn:
+        layers.append(torch.nn.BatchNorm1d(hidden))
+    layers.append(torch.nn.Linear(hidden, 2))
+    model = torch.nn.Sequential(*layers)
+    g = _gen(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+def make_tree(rank: int, seed: int) -> dict[str, Any]:
+    """A nested value with every leaf kind, different on every rank."""
+    g = _gen(seed * 100 + rank)
+    model = make_model(seed + rank)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01 * (rank + 1), betas=(0.9, 0.99 - 0.01 * rank))
+    if rank % 2 == 1:  # odd ranks have stepped: their optimizer state exists, even ranks' does not
+        model(torch.randn(4, 3, generator=g)).sum().backward()
+        opt.step()
+    model.train()(torch.randn(5, 3, generator=g))  # moves BatchNorm running statistics
+    return {
+        "model": model,
+        "opt": opt,
+        "t32": torch.randn(3, 2, generator=g),
+        "t16": torch.randn(4, generator=g).to(torch.bfloat16),
+        "i64": torch.randint(0, 100, (2, 2), generator=g),
+        "np": np.full((2, 3), float(rank)),
+        "scalar": torch.tensor(rank * 1.5),
+        "int": rank,
+        "float": rank / 3,
+        "str": f"rank {rank}",
+        "none": None if rank == 0 else [rank],
+        "tuple": (rank, torch.full((2,), float(rank))),
+        "list": [torch.arange(3) + rank, {"deep": rank}],
+        "pair": Pair(torch.full((1,), float(rank)), rank),
+        "holder": Holder(np.arange(4) * rank, f"h{rank}"),
+        "frozen": Frozen(torch.ones(2) * rank),
+        "empty": torch.empty(0),
+    }
+
+
+def _flat(tree: Any) -> list[Any]:
+    """Comparable leaves of a tree (modules and optimizers expanded)."""
+    if isinstance(tree, torch.nn.Module):
+        return [t.detach().clone() for t in tree.state_dict().values()]
+    if isinstance(tree, torch.optim.Optimizer):
+        sd = tree.state_dict()
+        return [repr(sorted((k, v) for k, v in g.items() if k != "params")) for g in sd["param_groups"]] + [
+            (i, k, v.clone() if isinstance(v, torch.Tensor) else v)
+            for i, s in sorted(sd["state"].items())
+            for k, v in sorted(s.items())
+        ]
+    if isinstance(tree, dict):
+        return [(k, x) for k in sorted(tree) for x in _flat(tree[k])]
+    if isinstance(tree, (list, tuple)):
+        return [type(tree).__name__] + [x for v in tree for x in _flat(v)]
+    if dataclasses.is_dataclass(tree):
+        return [type(tree).__name__] + [x for f in dataclasses.fields(tree) for x in _flat(getattr(tree, f.name))]
+    return [tree]
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    return type(a) is type(b) and a == b
+
+
+@st.composite
+def sync_cases(draw: st.DrawFn) -> tuple[int, int]:
+    return draw(st.integers(0, 63)), draw(st.integers(0, 1000))
+
+
+def synchronize_body(backend: dml.Backend, case: tuple[int, int]) -> None:
+    """Every leaf kind ends as root's (root != 0 drawn too), types and identities kept."""
+    root_draw, seed = case
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    root = root_draw % size
+    mine = make_tree(rank, seed)
+    model, t32 = mine["model"], mine["t32"]
+    out = dml.synchronize(backend, mine, root=root)
+    assert out["model"] is model and out["t32"] is t32, "arrays and modules are synchronized in place"
+    assert type(out["pair"]) is Pair and type(out["holder"]) is Holder and type(out["frozen"]) is Frozen
+    expected = _flat(make_tree(root, seed))
+    got = _flat(out)
+    assert len(got) == len(expected), (len(got), len(expected))
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert _equal(g, e), f"rank {rank}, root {root}: leaf {i}: {g!r} != {e!r}"
+
+
+# -- training -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainCase:
+    optimizer: str  # "sgd" (momentum) or "adam"
+    steps: int
+    batch: int  # per rank
+    seed: int
+    bucket_bytes: int
+
+
+@st.composite
+def train_cases(draw: st.DrawFn) -> TrainCase:
+    return TrainCase(
+        optimizer=draw(st.sampled_from(["sgd", "adam"])),
+        steps=draw(st.integers(1, 4)),
+        batch=draw(st.integers(1, 6)),
+        seed=draw(st.integers(0, 10_000)),
+        bucket_bytes=draw(st.sampled_from([0, 256, 1 << 20])),  # all in place / mixed / all bucketed
+    )
+
+
+def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def _data(case: TrainCase, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = _gen(case.seed + 7)
+    n = case.batch * size * case.steps
+    return torch.randn(n, 3, generator=g, dtype=torch.float64), torch.randn(n, 2, generator=g, dtype=torch.float64)
+
+
+def train_body(backend: dml.Backend, case: TrainCase) -> list[float]:
+    """k steps on W ranks (each its shard, mean loss) == k steps of one model on the global batch."""
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    x, y = _data(case, size)
+    model = make_model(case.seed if rank == 0 else case.seed + 1, bn=False).double()
+    model = dml.synchronize(backend, model)
+    opt = dml.DistributedOptimizer(
+        backend, _optimizer(case.optimizer, model.parameters()), bucket_bytes=case.bucket_bytes
+    )
+    ref = make_model(case.seed, bn=False).double()
+    ref_opt = _optimizer(case.optimizer, ref.parameters())
+    gb = case.batch * size
+    for k in range(case.steps):
+        xs, ys = x[k * gb : (k + 1) * gb], y[k * gb : (k + 1) * gb]
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(xs[rank::size]), ys[rank::size]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(xs), ys).backward()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=1e-9, atol=1e-9, err_msg=str(case))
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+
+
+class TwoBranch(torch.nn.Module):
+    """A model whose second branch is used only on odd ranks, and a third never."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = _gen(seed)
+        self.a = torch.nn.Parameter(torch.randn(4, 2, generator=g))
+        self.b = torch.nn.Parameter(torch.randn(4, 2, generator=g))
+        self.unused = torch.nn.Parameter(torch.randn(3, generator=g))
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        out = x @ self.a
+        return out + x @ self.b if use_b else out
+
+
+def unused_parameters_body(backend: dml.Backend, seed: int) -> list[float]:
+    """A parameter unused on some ranks counts as zeros there; unused everywhere stays None."""
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    g = _gen(seed)
+    x = torch.randn(size, 4, generator=g)
+    for bucket_bytes in (0, 1 << 20):
+        model = TwoBranch(seed)
+        opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.5), bucket_bytes=bucket_bytes)
+        opt.zero_grad()
+        model(x[rank : rank + 1], use_b=rank % 2 == 1).sum().backward()
+        opt.step()
+        assert model.unused.grad is None, "a parameter without gradient on every rank keeps None"
+        ga = sum(x[r] for r in range(size)).unsqueeze(1).expand(4, 2) / size
+        gb = sum(x[r] for r in range(size) if r % 2 == 1)
+        gb = torch.zeros(4, 2) if isinstance(gb, int) else gb.unsqueeze(1).expand(4, 2) / size
+        torch.testing.assert_close(model.a.grad, ga)
+        if size > 1:
+            torch.testing.assert_close(model.b.grad, gb)
+    return model.b.detach().reshape(-1).tolist()
+
+
+def accumulation_body(backend: dml.Backend, seed: int) -> None:
+    """no_sync accumulates locally and the next step reduces once; synchronize() then step reduces once."""
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    g = _gen(seed)
+    xs = torch.randn(2, size, 3, generator=g, dtype=torch.float64)
+    ys = torch.randn(2, size, 2, generator=g, dtype=torch.float64)
+    # Reference: SGD on the SUM over ranks of both micro-batch gradients (op=SUM detects a double reduction).
+    ref = make_model(seed, bn=False).double()
+    for m in range(2):
+        for r in range(size):
+            torch.nn.functional.mse_loss(ref(xs[m, r : r + 1]), ys[m, r : r + 1]).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    for style in ("no_sync", "synchronize"):
+        model = make_model(seed, bn=False).double()
+        opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1), op=dml.SUM)
+        opt.zero_grad()
+        if style == "no_sync":
+            with opt.no_sync():
+                torch.nn.functional.mse_loss(model(xs[0, rank : rank + 1]), ys[0, rank : rank + 1]).backward()
+            torch.nn.functional.mse_loss(model(xs[1, rank : rank + 1]), ys[1, rank : rank + 1]).backward()
+            opt.step()
+        else:
+            for m in range(2):
+                torch.nn.functional.mse_loss(model(xs[m, rank : rank + 1]), ys[m, rank : rank + 1]).backward()
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # what synchronize() is for
+            opt.step()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-9, msg=style)
+
+
+def compression_body(backend: dml.Backend, seed: int) -> None:
+    """communication_dtype=bfloat16 averages to bfloat16 precision and keeps replicas identical."""
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    g = _gen(seed)
+    grads = torch.randn(size, 5, 7, generator=g)
+    p = torch.nn.Parameter(torch.zeros(5, 7))
+    opt = dml.DistributedOptimizer(backend, torch.optim.SGD([p], lr=1.0), communication_dtype=torch.bfloat16)
+    p.grad = grads[rank].clone()
+    opt.synchronize()
+    exact = grads.mean(0)
+    assert p.grad.dtype == torch.float32
+    torch.testing.assert_close(p.grad, exact, rtol=2e-2, atol=2e-2)
