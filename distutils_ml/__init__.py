@@ -13,8 +13,10 @@ from distutils_ml.backends.base import Backend, ReduceOp
 from distutils_ml.backends.local import LocalBackend
 from distutils_ml.backends.mpi import MPIBackend
 from distutils_ml.collectives import allgather, allreduce, barrier, bcast, reduce
+from distutils_ml.optimizer import DistributedOptimizer, allreduce_gradients
 from distutils_ml.printing import print
 from distutils_ml.registry import get_distributed_backend, initialize, initialized, local_rank, total_workers
+from distutils_ml.synchronize import synchronize
 
 SUM = ReduceOp.SUM
 PROD = ReduceOp.PROD
@@ -31,11 +33,13 @@ __all__ = [
     "PROD",
     "SUM",
     "Backend",
+    "DistributedOptimizer",
     "LocalBackend",
     "MPIBackend",
     "ReduceOp",
     "allgather",
     "allreduce",
+    "allreduce_gradients",
     "barrier",
     "bcast",
     "get_distributed_backend",
@@ -44,5 +48,6 @@ __all__ = [
     "local_rank",
     "print",
     "reduce",
+    "synchronize",
     "total_workers",
 ]

@@ -1,0 +1,103 @@
+"""DistributedOptimizer and allreduce_gradients on LocalBackend.spawn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from train_bodies import (
+    TrainCase,
+    accumulation_body,
+    compression_body,
+    make_model,
+    train_body,
+    train_cases,
+    unused_parameters_body,
+)
+
+import distutils_ml as dml
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=train_cases(), world=st.integers(1, 4))
+def test_data_parallel_equals_big_batch(case: TrainCase, world: int) -> None:
+    flats = dml.LocalBackend.spawn(world, train_body, case, timeout=60)
+    assert all(f == flats[0] for f in flats), "replicas must be bitwise identical"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_unused_parameters_never_hang(world: int) -> None:
+    flats = dml.LocalBackend.spawn(world, unused_parameters_body, 5, timeout=30)
+    assert all(f == flats[0] for f in flats)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_no_sync_and_synchronize_reduce_once(world: int) -> None:
+    dml.LocalBackend.spawn(world, accumulation_body, 3, timeout=30)
+
+
+def test_communication_dtype() -> None:
+    dml.LocalBackend.spawn(3, compression_body, 1, timeout=30)
+
+
+def test_allreduce_gradients_of_module() -> None:
+    def fn(b: dml.Backend) -> list[float]:
+        model = make_model(0, bn=False)
+        model(torch.full((2, 3), float(b.rank))).sum().backward()
+        dml.allreduce_gradients(b, model)
+        return model[0].weight.grad.reshape(-1).tolist()
+
+    out = dml.LocalBackend.spawn(2, fn)
+    ref = make_model(0, bn=False)
+    for r in range(2):
+        (ref(torch.full((2, 3), float(r))).sum() / 2).backward()
+    assert out[0] == out[1]
+    torch.testing.assert_close(torch.tensor(out[0]), ref[0].weight.grad.reshape(-1))
+
+
+def test_wrapper_is_an_optimizer_and_forwards() -> None:
+    b = dml.LocalBackend()
+    model = make_model(0, bn=False)
+    inner = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    opt = dml.DistributedOptimizer(b, inner)
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert opt.param_groups is inner.param_groups and opt.state is inner.state
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    sched.step()
+    assert inner.param_groups[0]["lr"] == pytest.approx(0.05)
+    sd = opt.state_dict()
+    assert sd["state"], "momentum buffers exist after a step"
+    fresh = torch.optim.SGD(make_model(1, bn=False).parameters(), lr=1.0, momentum=0.9)
+    dml.DistributedOptimizer(b, fresh).load_state_dict(sd)
+    assert fresh.param_groups[0]["lr"] == pytest.approx(0.05)
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    extra = torch.nn.Parameter(torch.zeros(2))
+    opt.add_param_group({"params": [extra]})
+    assert inner.param_groups[-1]["params"] == [extra]
+    dml.synchronize(b, opt)  # the wrapper works as well as the wrapped optimizer
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "fragment"),
+    [
+        ({"optimizer": "sgd"}, TypeError, "optimizer: got str"),
+        ({"op": "mean"}, ValueError, "op: got 'mean'"),
+        ({"bucket_bytes": -1}, ValueError, "bucket_bytes: got -1"),
+        ({"communication_dtype": torch.int8}, ValueError, "communication_dtype"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, exc: type, fragment: str) -> None:
+    model = make_model(0, bn=False)
+    args = {"optimizer": torch.optim.SGD(model.parameters(), lr=0.1)} | kwargs
+    optimizer = args.pop("optimizer")
+    with pytest.raises(exc, match=fragment):
+        dml.DistributedOptimizer(dml.LocalBackend(), optimizer, **args)
+
+
+def test_backend_first() -> None:
+    with pytest.raises(TypeError, match="first argument must be a backend"):
+        dml.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1), dml.LocalBackend())
