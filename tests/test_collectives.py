@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from bodies import BODIES, Case, bad_calls, bad_input_body, cases
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import distutils_ml as dml
+
+from bodies import BODIES, Case, bad_calls, bad_input_body, cases
 
 WORLDS = st.integers(1, 5)
 

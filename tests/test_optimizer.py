@@ -6,6 +6,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import distutils_ml as dml
+
 from train_bodies import (
     TrainCase,
     accumulation_body,
@@ -15,8 +18,6 @@ from train_bodies import (
     train_cases,
     unused_parameters_body,
 )
-
-import distutils_ml as dml
 
 
 @settings(max_examples=30, deadline=None)

@@ -7,9 +7,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from train_bodies import make_model, sync_cases, synchronize_body
 
 import distutils_ml as dml
+
+from train_bodies import make_model, sync_cases, synchronize_body
 
 
 @settings(max_examples=25, deadline=None)

@@ -242,7 +242,7 @@ def accumulation_body(backend: dml.Backend, seed: int) -> None:
             torch.nn.functional.mse_loss(ref(xs[m, r : r + 1]), ys[m, r : r + 1]).backward()
     with torch.no_grad():
         for p in ref.parameters():
-            p -= 0.1 * p.grad
+            p.sub_(0.1 * p.grad)
     for style in ("no_sync", "synchronize"):
         model = make_model(seed, bn=False).double()
         opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1), op=dml.SUM)
