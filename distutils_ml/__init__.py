@@ -13,6 +13,7 @@ from distutils_ml.backends.base import Backend, ReduceOp
 from distutils_ml.backends.local import LocalBackend
 from distutils_ml.backends.mpi import MPIBackend
 from distutils_ml.collectives import allgather, allreduce, barrier, bcast, reduce
+from distutils_ml.data import DistributedDataContainer, getobs, numobs
 from distutils_ml.optimizer import DistributedOptimizer, allreduce_gradients
 from distutils_ml.printing import print
 from distutils_ml.registry import get_distributed_backend, initialize, initialized, local_rank, total_workers
@@ -33,6 +34,7 @@ __all__ = [
     "PROD",
     "SUM",
     "Backend",
+    "DistributedDataContainer",
     "DistributedOptimizer",
     "LocalBackend",
     "MPIBackend",
@@ -43,9 +45,11 @@ __all__ = [
     "barrier",
     "bcast",
     "get_distributed_backend",
+    "getobs",
     "initialize",
     "initialized",
     "local_rank",
+    "numobs",
     "print",
     "reduce",
     "synchronize",

@@ -1,0 +1,479 @@
+"""``DistributedDataContainer``: this rank's share of a dataset; ``numobs`` and ``getobs``.
+
+The partition is exactly that of ``torch.utils.data.DistributedSampler`` for the same
+epoch: the (possibly shuffled) index list is padded by repeating its start until its
+length is a multiple of the world size, and rank ``r`` takes every ``W``-th index
+starting at ``r``. Every rank therefore has the same ``len`` and runs the same number
+of steps, whatever the number of observations (Lux's contiguous split leaves the last
+rank short, or with no share at all, and a collective then hangs or crashes).
+
+Data follow MLUtils' conventions: an array or tensor holds its observations along the
+first axis; a tuple or dict of such holds one observation per member (``(x, y)``); and
+anything else with ``len()`` and integer indexing (a list, a torch ``Dataset``) is a
+sequence of observations.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from distutils_ml.backends.base import Backend, check_backend
+
+__all__ = ["DistributedDataContainer", "getobs", "numobs"]
+
+#: What ``getobs`` and container indexing accept besides an int: a batch of indices.
+Index = int | slice | Sequence[int] | np.ndarray | torch.Tensor
+
+_ALLOWED_DATA = (
+    "a NumPy array or torch.Tensor of at least one dimension (observations along the first axis), "
+    "anything with len() and integer indexing (a list, a map-style torch Dataset), or a tuple / dict of those"
+)
+_ALLOWED_INDEX = "an int, a slice, a list or range of ints, or a 1-D integer NumPy array or torch.Tensor"
+# The seeds torch.Generator.manual_seed accepts.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+# -- numobs / getobs -------------------------------------------------------------------
+
+
+def numobs(data: Any) -> int:
+    """The number of observations in ``data``.
+
+    Args:
+        data: an array or tensor (observations along the first axis), anything with
+            ``len()`` and integer indexing, or a tuple / dict of those.
+
+    Returns:
+        The length of the first axis, ``len(data)``, or for a tuple / dict the count its
+        members share.
+
+    Raises:
+        TypeError: ``data`` is none of the allowed kinds.
+        ValueError: members of a tuple / dict hold different numbers of observations.
+
+    Example:
+        >>> dml.numobs((np.zeros((10, 3)), np.arange(10)))
+        10
+    """
+    return _numobs(data, "numobs")
+
+
+def getobs(data: Any, idx: Index) -> Any:
+    """Observation ``idx`` of ``data``, or a batch of observations.
+
+    An int gives one observation (for a tuple / dict: a tuple / dict of one observation
+    per member). A slice, list, range or integer array gives a batch, fetched with one
+    call per member: fancy indexing for arrays and tensors, the dataset's
+    ``__getitems__`` when it has one (as torch's DataLoader does), else a list of
+    ``data[i]``. Indices are passed to the members as given, so their bounds and
+    negative-index rules apply.
+
+    Args:
+        data: as for :func:`numobs`.
+        idx: an int, slice, list or range of ints, or a 1-D integer array / tensor.
+
+    Returns:
+        One observation, or a batch: an array / tensor for array members, a list for
+        generic datasets, a tuple / dict of member batches for a tuple / dict.
+
+    Raises:
+        TypeError: ``idx`` is not an integer index or batch of indices.
+
+    Example:
+        >>> x, y = np.arange(12).reshape(6, 2), ["a", "b", "c", "d", "e", "f"]
+        >>> dml.getobs((x, y), 5)
+        (array([10, 11]), 'f')
+        >>> dml.getobs((x, y), [0, 5])[1]
+        ['a', 'f']
+    """
+    return _getobs(data, _as_index(idx, "getobs: idx"))
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, (np.ndarray, torch.Tensor)):
+        return f"a {len(x.shape)}-d {type(x).__module__.split('.')[0]}.{type(x).__name__} of shape {tuple(x.shape)}"
+    text = repr(x)
+    return f"{type(x).__qualname__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
+def _numobs(data: Any, caller: str, name: str = "data") -> int:
+    """``numobs`` whose errors start with ``caller`` and name ``data`` as ``name`` (``data[0]['x']``)."""
+    if isinstance(data, (np.ndarray, torch.Tensor)):
+        if data.ndim == 0:
+            raise TypeError(
+                f"{caller}: {name}: got {_describe(data)}, which has no observation axis; allowed: {_ALLOWED_DATA}"
+            )
+        return int(data.shape[0])
+    if isinstance(data, tuple):
+        members = [(f"{name}[{i}]", m) for i, m in enumerate(data)]
+    elif isinstance(data, Mapping):
+        members = [(f"{name}[{k!r}]", m) for k, m in data.items()]
+    else:
+        _check_generic(data, f"{caller}: {name}")
+        return len(data)
+    if not members:
+        raise ValueError(
+            f"{caller}: {name}: got an empty {type(data).__name__}; a tuple / dict needs at least one member"
+        )
+    counts = [(member, _numobs(m, caller, member)) for member, m in members]
+    if any(c != counts[0][1] for _, c in counts):
+        listed = ", ".join(f"{member} has {c}" for member, c in counts)
+        raise ValueError(
+            f"{caller}: {name}: members hold different numbers of observations: {listed}; "
+            "every member needs the same number of observations along its first axis"
+        )
+    return counts[0][1]
+
+
+def _check_generic(data: Any, where: str) -> None:
+    if isinstance(data, (str, bytes)):
+        raise TypeError(
+            f"{where}: got {_describe(data)}, text rather than data (load it first); allowed: {_ALLOWED_DATA}"
+        )
+    if isinstance(data, torch.utils.data.IterableDataset):
+        raise TypeError(
+            f"{where}: got the IterableDataset {type(data).__qualname__}, which has no random access; "
+            f"allowed: {_ALLOWED_DATA}"
+        )
+    kind = type(data)
+    missing = [m for m in ("__len__", "__getitem__") if not hasattr(kind, m)]
+    if missing:
+        raise TypeError(
+            f"{where}: got {_describe(data)}, which has no {' or '.join(missing)}; allowed: {_ALLOWED_DATA}"
+        )
+
+
+def _as_index(idx: Any, name: str) -> int | slice | np.ndarray:
+    """``idx`` as an int, a slice, or a 1-D int64 array."""
+    if isinstance(idx, (bool, np.bool_)):
+        raise TypeError(f"{name}: got the bool {idx!r}; allowed: {_ALLOWED_INDEX}")
+    if isinstance(idx, (int, np.integer)):
+        return int(idx)
+    if isinstance(idx, slice):
+        return idx
+    if isinstance(idx, range):
+        return np.arange(idx.start, idx.stop, idx.step, dtype=np.int64)
+    if isinstance(idx, torch.Tensor):
+        arr = idx.detach().cpu().numpy()
+    elif isinstance(idx, np.ndarray):
+        arr = idx
+    elif isinstance(idx, list):
+        arr = np.asarray(idx) if idx else np.empty(0, dtype=np.int64)
+    else:
+        raise TypeError(f"{name}: got {_describe(idx)}; allowed: {_ALLOWED_INDEX}")
+    if arr.dtype.kind not in "iu" or arr.ndim > 1:
+        raise TypeError(f"{name}: got {_describe(arr)} of dtype {arr.dtype}; allowed: {_ALLOWED_INDEX}")
+    if arr.ndim == 0:
+        return int(arr)
+    return arr.astype(np.int64, copy=False)
+
+
+def _getobs(data: Any, index: int | slice | np.ndarray) -> Any:
+    """``getobs`` on a normalized index (see :func:`_as_index`)."""
+    if isinstance(data, np.ndarray):
+        return data[index]
+    if isinstance(data, torch.Tensor):
+        if isinstance(index, np.ndarray):
+            # from_numpy shares memory and warns on read-only arrays: copy those.
+            index = torch.from_numpy(index if index.flags.writeable else index.copy())
+        return data[index]
+    if isinstance(data, tuple):
+        items = [_getobs(m, index) for m in data]
+        return type(data)(*items) if hasattr(type(data), "_fields") else tuple(items)
+    if isinstance(data, Mapping):
+        return {k: _getobs(m, index) for k, m in data.items()}
+    if isinstance(index, int):
+        return data[index]
+    positions = list(range(len(data))[index]) if isinstance(index, slice) else index.tolist()
+    getitems = getattr(data, "__getitems__", None)
+    if getitems is not None:
+        return getitems(positions)
+    return [data[i] for i in positions]
+
+
+def _rows(data: Any, batch: Any) -> list[Any]:
+    """Split ``batch`` (``_getobs(data, index_array)``) into a list of single observations.
+
+    Numeric NumPy batches are split as tensors (views of ``torch.from_numpy``): torch's
+    default collate turns each NumPy row into a tensor anyway, one slow call per row;
+    tensor rows it stacks at once, with the same dtype and values.
+    """
+    if isinstance(data, np.ndarray):
+        if batch.dtype.kind in "biufc" and batch.dtype.isnative:
+            return list(torch.from_numpy(batch).unbind(0))
+        return list(batch)
+    if isinstance(data, torch.Tensor):
+        return list(batch.unbind(0))
+    if isinstance(data, tuple):
+        columns = [_rows(m, b) for m, b in zip(data, batch, strict=True)]
+        if hasattr(type(data), "_fields"):
+            return [type(data)(*row) for row in zip(*columns, strict=True)]
+        return list(zip(*columns, strict=True))
+    if isinstance(data, Mapping):
+        keys = list(data)
+        columns = [_rows(data[k], batch[k]) for k in keys]
+        return [dict(zip(keys, row, strict=True)) for row in zip(*columns, strict=True)]
+    return list(batch)
+
+
+# -- the container ---------------------------------------------------------------------
+
+
+def _check_int(value: Any, name: str, low: int, high: int) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: got {_describe(value)}; allowed: an int")
+    if not low <= int(value) <= high:
+        raise ValueError(f"{name}: got {int(value)}; allowed: an int in [{low}, {high}]")
+    return int(value)
+
+
+def _check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: got {_describe(value)}; allowed: True or False")
+    return bool(value)
+
+
+def _out_of_range(i: int, n: int) -> IndexError:
+    return IndexError(
+        f"DistributedDataContainer: index {i} is out of range for this rank's {n} observations "
+        f"(allowed: {-n} .. {n - 1})"
+    )
+
+
+class DistributedDataContainer(torch.utils.data.Dataset):
+    """This rank's share of ``data``, partitioned exactly like ``DistributedSampler``.
+
+    Rank ``r`` of ``W`` takes every ``W``-th index starting at ``r`` of the index list
+    (shuffled with ``torch.randperm`` seeded by ``seed + epoch`` when ``shuffle``),
+    padded by repeating its start so that every rank has the same ``len``; with
+    ``drop_last`` the tail is dropped instead. Each rank computes its share locally:
+    construction communicates nothing, but every rank must pass the same data length,
+    ``shuffle``, ``seed`` and ``drop_last``.
+
+    Padding duplicates observations held elsewhere. ``num_padded`` (0 or 1) says how
+    many of this rank's observations are padding; they are its last ones, so the
+    first ``len(ddc) - ddc.num_padded`` observations of every rank together hold each
+    observation exactly once (exact evaluation).
+
+    ``ddc[i]`` is one observation (negative ``i`` counts from the end); ``ddc[batch]``
+    with a slice, list or integer array is a batch in ``getobs``'s layout, fetched with
+    one call per member. As the dataset of ``torch.utils.data.DataLoader`` (or
+    torchdata's ``StatefulDataLoader``), pass ``shuffle=False`` to the loader: the
+    container shuffles itself. The loader fetches each batch with one call to
+    ``__getitems__``, which returns the list of observations its ``collate_fn``
+    expects (with NumPy rows as tensors, as the default collate makes them). Faster
+    still, let the loader read whole batches: ``DataLoader(ddc, batch_size=None,
+    sampler=BatchSampler(SequentialSampler(ddc), 64, drop_last=False))``.
+
+    The container holds only this rank's number and the world size, not the backend,
+    so it pickles (DataLoader workers); the epoch lives in a small shared-memory cell,
+    so ``set_epoch`` also reaches the copies held by ``persistent_workers``.
+
+    Args:
+        backend: the backend whose rank and world size define the share.
+        data: as for :func:`numobs`; not copied.
+        shuffle: reshuffle every epoch (see :meth:`set_epoch`).
+        seed: the shuffle's seed; the same on every rank.
+        drop_last: drop the tail so the length is a multiple of the world size,
+            instead of padding.
+
+    Raises:
+        TypeError: ``backend`` is not a backend instance, ``data`` is none of the
+            allowed kinds, ``seed`` is not an int, ``shuffle`` or ``drop_last`` is not a bool.
+        ValueError: members of a tuple / dict ``data`` hold different numbers of observations.
+
+    Example:
+        >>> ddc = dml.DistributedDataContainer(backend, (x, y), shuffle=True, seed=42)
+        >>> loader = torch.utils.data.DataLoader(ddc, batch_size=64)
+        >>> for epoch in range(10):
+        ...     ddc.set_epoch(epoch)
+        ...     for xb, yb in loader:
+        ...         ...
+    """
+
+    def __init__(
+        self, backend: Backend, data: Any, *, shuffle: bool = False, seed: int = 0, drop_last: bool = False
+    ) -> None:
+        check_backend(backend, "DistributedDataContainer")
+        n = _numobs(data, "DistributedDataContainer")
+        self._seed = _check_int(seed, "DistributedDataContainer: seed", _SEED_MIN, _SEED_MAX)
+        self._shuffle = _check_bool(shuffle, "DistributedDataContainer: shuffle")
+        self._drop_last = _check_bool(drop_last, "DistributedDataContainer: drop_last")
+        self._data = data
+        self._rank = int(backend.rank)
+        self._world_size = int(backend.size)
+        self._n = n
+        w = self._world_size
+        # DistributedSampler's arithmetic: ceil(N / W), or floor(N / W) with drop_last.
+        self._num_samples = n // w if drop_last else -(-n // w)
+        self._total_size = self._num_samples * w
+        # Positions >= N of the padded list are padding; this rank's are its last ones.
+        own = max(0, -(-(n - self._rank) // w))
+        self._num_padded = self._num_samples - min(self._num_samples, own)
+        self._epoch_cell = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self._attach()
+
+    def _attach(self) -> None:
+        self._epoch_view = self._epoch_cell.numpy()
+        self._cache: tuple[int, np.ndarray] = (int(self._epoch_view[0]), self._partition(int(self._epoch_view[0])))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_epoch_view"], state["_cache"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._attach()
+
+    def _partition(self, epoch: int) -> np.ndarray:
+        """This rank's global indices for ``epoch``, as a read-only int64 array."""
+        n = self._n
+        if self._shuffle:
+            gen = torch.Generator().manual_seed(self._seed + epoch)
+            order = torch.randperm(n, generator=gen).numpy()
+        else:
+            order = np.arange(n, dtype=np.int64)
+        positions = np.arange(self._rank, self._total_size, self._world_size, dtype=np.int64)
+        mine = order[positions % n] if n else positions
+        mine.setflags(write=False)
+        return mine
+
+    def _current(self) -> np.ndarray:
+        epoch, indices = self._cache
+        now = self._epoch_view[0]
+        if now != epoch:  # set_epoch was called here or, for a worker's copy, in the parent
+            now = int(now)
+            indices = self._partition(now)
+            self._cache = (now, indices)
+        return indices
+
+    @property
+    def data(self) -> Any:
+        """The whole dataset, as given (every rank holds it; the container reads its share)."""
+        return self._data
+
+    @property
+    def shuffle(self) -> bool:
+        """Whether the index list is shuffled every epoch."""
+        return self._shuffle
+
+    @property
+    def seed(self) -> int:
+        """The shuffle's seed: epoch ``e`` is ordered by ``torch.randperm`` seeded with ``seed + e``."""
+        return self._seed
+
+    @property
+    def drop_last(self) -> bool:
+        """Whether the tail is dropped (instead of padding) to split the data evenly."""
+        return self._drop_last
+
+    @property
+    def num_padded(self) -> int:
+        """How many of this rank's observations are padding (0 or 1): its last ones.
+
+        The first ``len(ddc) - ddc.num_padded`` observations of all ranks together hold
+        every observation exactly once. Always 0 with ``drop_last``.
+        """
+        return self._num_padded
+
+    @property
+    def epoch(self) -> int:
+        """The epoch whose partition the container holds (see :meth:`set_epoch`)."""
+        return int(self._epoch_view[0])
+
+    @property
+    def indices(self) -> np.ndarray:
+        """This rank's global indices for the current epoch: a read-only 1-D int64 array."""
+        return self._current()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Take the partition of ``epoch``: with ``shuffle``, the order seeded by ``seed + epoch``.
+
+        Call it on every rank before each epoch (with ``DistributedSampler``'s rule: the
+        same epoch gives the same order). DataLoader workers' copies of the container
+        follow, including persistent ones.
+
+        Args:
+            epoch: the epoch number, the same on every rank.
+
+        Example:
+            >>> ddc.set_epoch(3)
+        """
+        epoch = _check_int(epoch, "set_epoch: epoch", _INT64_MIN, _INT64_MAX)
+        if not _SEED_MIN <= self._seed + epoch <= _SEED_MAX:
+            raise ValueError(
+                f"set_epoch: epoch: got {epoch}; seed + epoch = {self._seed + epoch} must lie in "
+                f"[{_SEED_MIN}, {_SEED_MAX}] (torch.Generator.manual_seed)"
+            )
+        self._epoch_view[0] = epoch
+        self._current()
+
+    def __len__(self) -> int:
+        return self._num_samples
+
+    def _global(self, index: slice | np.ndarray) -> np.ndarray:
+        """The global indices at local positions ``index`` (a slice or an int64 array)."""
+        indices = self._current()
+        if isinstance(index, slice):
+            return indices[index].copy()
+        try:
+            return indices[index]
+        except IndexError:
+            n = self._num_samples
+            raise _out_of_range(int(index[(index < -n) | (index >= n)][0]), n) from None
+
+    def __getitem__(self, idx: Index) -> Any:
+        """One observation (``idx`` an int), or a batch (``idx`` a slice, list or integer array).
+
+        Args:
+            idx: a local position ``0 .. len-1`` (negative counts from the end), or a batch of them.
+
+        Returns:
+            ``getobs(data, global_index)``: an observation, or a batch in ``getobs``'s layout.
+
+        Raises:
+            IndexError: a position is out of range.
+            TypeError: ``idx`` is not an integer index or batch of indices.
+        """
+        index = _as_index(idx, "DistributedDataContainer: index")
+        if isinstance(index, int):
+            n = self._num_samples
+            if not -n <= index < n:
+                raise _out_of_range(index, n)
+            return _getobs(self._data, int(self._current()[index]))
+        return _getobs(self._data, self._global(index))
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """The observations at local positions ``indices``, fetched as one batch.
+
+        torch's DataLoader calls this with each batch of positions and hands the result
+        to its ``collate_fn``, which expects a list of observations: the batch is read
+        with one call per member (fancy indexing for arrays and tensors), then split
+        into per-observation views. Rows of numeric NumPy arrays come as tensors
+        sharing their memory, which the default collate stacks in one call (it would
+        convert NumPy rows one by one, to the same tensors).
+
+        Args:
+            indices: local positions.
+
+        Returns:
+            A list of observations, ``[ddc[i] for i in indices]`` with NumPy numbers as tensors.
+        """
+        index = _as_index(indices, "DistributedDataContainer.__getitems__: indices")
+        if isinstance(index, int):
+            index = np.array([index], dtype=np.int64)
+        return _rows(self._data, _getobs(self._data, self._global(index)))
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedDataContainer(rank={self._rank} of {self._world_size}, len={len(self)}, "
+            f"num_padded={self._num_padded}, epoch={self.epoch}, shuffle={self._shuffle}, seed={self._seed}, "
+            f"drop_last={self._drop_last}, numobs(data)={self._n})"
+        )
