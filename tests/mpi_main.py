@@ -8,6 +8,8 @@ ranks could not follow it). Rank 0 ends with ``MPI CHECKS PASSED`` when all pass
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 import sys
 import time
 import traceback
@@ -20,6 +22,8 @@ from mpi4py import MPI
 import distutils_ml as dml
 
 import bodies
+import data_bodies
+import train_bodies
 
 EXAMPLES = 100
 SETTINGS = settings(
@@ -56,7 +60,65 @@ def property_check(backend: dml.Backend, name: str, examples: int) -> int:
     return count
 
 
+def hypothesis_check(backend: dml.Backend, body: Any, strategy: Any, examples: int) -> int:
+    count = 0
+
+    @settings(SETTINGS, max_examples=examples)
+    @given(case=strategy)
+    def run(case: Any) -> None:
+        nonlocal count
+        guarded(body, backend, case)
+        count += 1
+
+    run()
+    return count
+
+
+def ddp_check(backend: dml.Backend, steps: int = 5) -> float:
+    """Bitwise-identical parameters to torch DistributedDataParallel (gloo) on the same data."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    rank, size = backend.rank, backend.size
+    # Rank 0's store binds a free port itself (no probe-then-bind race); the port travels over MPI.
+    timeout = datetime.timedelta(seconds=60)
+    store = (
+        dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
+        if rank == 0
+        else None
+    )
+    port = backend._bcast_object(store.port if store else None, 0)
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
+    try:
+        worst = 0.0
+        for kind in ("sgd", "adam"):
+            base = train_bodies.make_model(11, hidden=64, bn=False)
+            ours = train_bodies.make_model(11, hidden=64, bn=False)
+            ddp = torch.nn.parallel.DistributedDataParallel(base)
+            opt_ddp = train_bodies._optimizer(kind, ddp.parameters())
+            opt = dml.DistributedOptimizer(backend, train_bodies._optimizer(kind, ours.parameters()))
+            g = torch.Generator().manual_seed(5)
+            for _ in range(steps):
+                x, y = torch.randn(16 * size, 3, generator=g), torch.randn(16 * size, 2, generator=g)
+                xs, ys = x[rank::size], y[rank::size]
+                for model, o in ((ddp, opt_ddp), (ours, opt)):
+                    o.zero_grad()
+                    torch.nn.functional.mse_loss(model(xs), ys).backward()
+                    o.step()
+            for p, q in zip(ours.parameters(), base.parameters(), strict=True):
+                worst = max(worst, float((p - q).detach().abs().max()))
+        assert worst == 0.0, f"parameters differ from DDP's by up to {worst}"
+        return worst
+    finally:
+        dist.destroy_process_group()
+
+
 def main(checks: list[str]) -> None:
+    faulthandler.register(signal.SIGUSR1)  # the test runner asks for stacks before killing a hung job
     dml.initialize(dml.MPIBackend)
     world = dml.get_distributed_backend(dml.MPIBackend)
     # The same bodies on a backend with tiny segments exercise the segmented paths.
@@ -71,6 +133,24 @@ def main(checks: list[str]) -> None:
                 for label, b in (("default", world), ("segment16", tiny))
             }
             detail = counts
+        elif check == "synchronize":
+            detail = hypothesis_check(world, train_bodies.synchronize_body, train_bodies.sync_cases(), 15)
+        elif check == "train":
+            detail = {
+                "train": hypothesis_check(world, train_bodies.train_identical_body, train_bodies.train_cases(), 20),
+                "unused": guarded(
+                    train_bodies.replicas_identical, world, train_bodies.unused_parameters_body(world, 5)
+                ),
+            }
+            guarded(train_bodies.accumulation_body, world, 3)
+            guarded(train_bodies.compression_body, world, 1)
+        elif check == "data":
+            detail = {
+                "partition": hypothesis_check(world, data_bodies.partition_body, data_bodies.partition_cases(), 60),
+                "access": hypothesis_check(world, data_bodies.access_body, data_bodies.access_cases(), 30),
+            }
+        elif check == "ddp":
+            detail = guarded(ddp_check, world)
         elif check == "bad_input":
             detail = [guarded(bodies.bad_input_body, world, culprit) for culprit in range(world.size)]
         elif check == "large":

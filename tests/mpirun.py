@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -52,11 +53,15 @@ def run_mpi(n: int, args: list[str], timeout: float = 240) -> Job:
         cmd.append("--oversubscribe")
     cmd += [sys.executable, *args]
     start = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=TESTS.parent
+    )
     try:
-        proc = subprocess.run(
-            cmd, check=False, env=mpi_env(), capture_output=True, text=True, timeout=timeout, cwd=TESTS.parent
-        )
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        pytest.fail(f"mpiexec job timed out after {timeout} s: {' '.join(cmd)}\n{out[-5000:]}")
-    return Job(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start)
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # mpiexec forwards it: ranks dump their Python stacks
+        time.sleep(3)
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"mpiexec job timed out after {timeout} s: {' '.join(cmd)}\n{out[-12000:]}")
+    return Job(proc.returncode, out, time.monotonic() - start)

@@ -14,10 +14,10 @@ from mpirun import requires_mpi, run_mpi
 
 pytestmark = requires_mpi
 
-CHECKS = ["objects", "subcomm", "bad_input", "properties"]
+CHECKS = ["objects", "subcomm", "bad_input", "properties", "synchronize", "train", "data"]
 
 
-@pytest.mark.parametrize(("ranks", "extra"), [(2, ["large"]), (3, [])])
+@pytest.mark.parametrize(("ranks", "extra"), [(2, ["large", "ddp"]), (3, [])])
 def test_collectives_under_mpiexec(ranks: int, extra: list[str]) -> None:
     job = run_mpi(ranks, ["tests/mpi_main.py", *CHECKS, *extra])
     assert job.returncode == 0, job.output[-8000:]

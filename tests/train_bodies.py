@@ -193,6 +193,20 @@ def train_body(backend: dml.Backend, case: TrainCase) -> list[float]:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 
 
+def replicas_identical(backend: dml.Backend, values: list[float]) -> bool:
+    """Every rank holds bitwise the same ``values`` (checked with an allgather)."""
+    mine = np.asarray(values, dtype=np.float64)
+    every = np.empty((dml.total_workers(backend), mine.size))
+    dml.allgather(backend, mine, every)
+    assert (every == every[0]).all(), f"replicas differ by up to {np.abs(every - every[0]).max()}"
+    return True
+
+
+def train_identical_body(backend: dml.Backend, case: TrainCase) -> None:
+    """train_body, and the replicas end bitwise identical."""
+    replicas_identical(backend, train_body(backend, case))
+
+
 class TwoBranch(torch.nn.Module):
     """A model whose second branch is used only on odd ranks, and a third never."""
 
