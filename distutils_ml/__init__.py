@@ -18,6 +18,7 @@ from distutils_ml.optimizer import DistributedOptimizer, allreduce_gradients
 from distutils_ml.printing import print
 from distutils_ml.registry import get_distributed_backend, initialize, initialized, local_rank, total_workers
 from distutils_ml.synchronize import synchronize
+from distutils_ml.watchdog import CollectiveMismatchError, StallError
 
 SUM = ReduceOp.SUM
 PROD = ReduceOp.PROD
@@ -34,11 +35,13 @@ __all__ = [
     "PROD",
     "SUM",
     "Backend",
+    "CollectiveMismatchError",
     "DistributedDataContainer",
     "DistributedOptimizer",
     "LocalBackend",
     "MPIBackend",
     "ReduceOp",
+    "StallError",
     "allgather",
     "allreduce",
     "allreduce_gradients",

@@ -351,3 +351,34 @@ def large_body(backend: dml.Backend, n: int, dtype: str, op: Any, in_place: bool
     buf = large_input(n, dtype, op, rank)
     dml.bcast(backend, buf, root=root)
     np.testing.assert_array_equal(buf, large_input(n, dtype, op, root), err_msg=f"bcast n={n}")
+
+
+# -- mismatched collectives (debug mode) ------------------------------------------------------
+
+MISMATCHES = ["shape", "dtype", "op", "root", "kind"]
+
+
+def mismatch_body(backend: dml.Backend, case: str) -> bool:
+    """Ranks call different collectives: every rank raises CollectiveMismatchError naming who called what,
+    and the world stays usable. Needs a backend that checks (LocalBackend, or debug mode)."""
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    odd = rank == size - 1  # the last rank differs
+    calls = {
+        "shape": (lambda: dml.allreduce(backend, np.zeros(3 if odd else 2), dml.SUM), "shape=(3,)"),
+        "dtype": (lambda: dml.allreduce(backend, np.zeros(2, np.float32 if odd else np.float64), dml.SUM), "float32"),
+        "op": (lambda: dml.allreduce(backend, np.zeros(2), dml.MAX if odd else dml.SUM), "op=dml.MAX"),
+        "root": (lambda: dml.bcast(backend, np.zeros(2), root=1 if odd else 0), "root=1"),
+        "kind": (lambda: dml.barrier(backend) if odd else dml.bcast(backend, np.zeros(1)), "called barrier()"),
+    }
+    call, fragment = calls[case]
+    try:
+        call()
+    except dml.CollectiveMismatchError as e:
+        assert fragment in str(e), f"{case}: {e}"
+        assert f"rank(s) [{size - 1}] called" in str(e), str(e)
+    else:
+        raise AssertionError(f"{case}: no CollectiveMismatchError on rank {rank}")
+    buf = np.ones(2)
+    dml.allreduce(backend, buf, dml.SUM)
+    assert (buf == size).all()
+    return True

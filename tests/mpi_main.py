@@ -180,6 +180,16 @@ def main(checks: list[str]) -> None:
             got = world._bcast_object({"rank": rank, "x": [1, "two", None, 3.5]} if rank == 1 else None, 1)
             assert got == {"rank": 1, "x": [1, "two", None, 3.5]}, got
             detail = "ok"
+        elif check == "debug":
+            checker = dml.MPIBackend(debug=True)
+            detail = [guarded(bodies.mismatch_body, checker, case) for case in bodies.MISMATCHES]
+        elif check == "stall":  # the last rank never joins the second allreduce
+            watched = dml.MPIBackend(timeout=3)
+            dml.allreduce(watched, np.ones(2), dml.SUM)
+            if rank == world.size - 1:
+                time.sleep(120)
+            dml.allreduce(watched, np.ones(4, dtype=np.float32), dml.SUM)
+            detail = "not aborted"
         elif check.startswith("raise_on_rank"):
             culprit = int(check.removeprefix("raise_on_rank"))
             if rank == culprit:

@@ -12,6 +12,8 @@ import torch
 import distutils_ml as dml
 from distutils_ml.backends.local import RankFailedError
 
+from bodies import MISMATCHES, mismatch_body
+
 
 def test_spawn_returns_results_in_rank_order() -> None:
     def fn(b: dml.Backend, offset: int) -> tuple[int, int]:
@@ -44,19 +46,26 @@ def test_rank_that_returns_early_fails_the_waiters() -> None:
         dml.LocalBackend.spawn(3, fn, timeout=30)
 
 
-@pytest.mark.parametrize(
-    ("call", "fragment"),
-    [
-        (lambda b, r: dml.allreduce(b, np.zeros(2 + r), dml.SUM), "shape=(2,)"),
-        (lambda b, r: dml.allreduce(b, np.zeros(2), dml.SUM if r == 0 else dml.MAX), "op=dml.MAX"),
-        (lambda b, r: dml.bcast(b, np.zeros(2), root=r), "root=1"),
-        (lambda b, r: dml.barrier(b) if r == 0 else dml.bcast(b, np.zeros(1)), "rank 0: barrier"),
-    ],
-)
-def test_mismatched_collectives_raise_on_every_rank(call, fragment: str) -> None:
-    with pytest.raises(RuntimeError, match="mismatched collectives") as info:
-        dml.LocalBackend.spawn(2, lambda b: call(b, dml.local_rank(b)), timeout=30)
-    assert fragment in str(info.value)
+@pytest.mark.parametrize("case", MISMATCHES)
+@pytest.mark.parametrize("world", [2, 3])
+def test_mismatched_collectives_raise_on_every_rank(case: str, world: int) -> None:
+    assert dml.LocalBackend.spawn(world, mismatch_body, case, timeout=30) == [True] * world
+
+
+def test_stall_names_the_missing_rank() -> None:
+    release = threading.Event()
+
+    def fn(b: dml.Backend) -> None:
+        if dml.local_rank(b) == 2:
+            release.wait(10)  # never joins the allreduce
+            return
+        dml.allreduce(b, np.ones(2), dml.SUM)
+
+    start = time.monotonic()
+    with pytest.raises(dml.StallError, match=r"in allreduce #1; rank\(s\) \[2\] have not arrived"):
+        dml.LocalBackend.spawn(3, fn, timeout=30, stall_timeout=0.5)
+    assert time.monotonic() - start < 5
+    release.set()
 
 
 def test_ranks_never_alias_each_others_buffers() -> None:

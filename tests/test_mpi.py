@@ -14,7 +14,7 @@ from mpirun import requires_mpi, run_mpi
 
 pytestmark = requires_mpi
 
-CHECKS = ["objects", "subcomm", "bad_input", "properties", "synchronize", "train", "data"]
+CHECKS = ["objects", "subcomm", "bad_input", "properties", "synchronize", "train", "data", "debug"]
 
 
 @pytest.mark.parametrize(("ranks", "extra"), [(2, ["large", "ddp"]), (3, [])])
@@ -33,4 +33,15 @@ def test_uncaught_exception_aborts_the_whole_job_fast() -> None:
     assert job.seconds < 60, f"took {job.seconds:.1f} s"
     assert "RuntimeError: deliberate failure on rank 1" in job.output, job.output
     assert "[rank 1] distutils_ml: uncaught exception on rank 1 of 3" in job.output, job.output
+    assert "not aborted" not in job.output
+
+
+def test_stall_is_named_and_ends_the_job() -> None:
+    # Rank 2 sleeps instead of joining an allreduce; the others' watchdog (timeout 3 s) reports and aborts.
+    job = run_mpi(3, ["tests/mpi_main.py", "stall"], timeout=120)
+    assert job.returncode != 0, job.output
+    assert job.seconds < 3 + 30, f"took {job.seconds:.1f} s"
+    assert "stall: waited" in job.output, job.output
+    assert "in allreduce(shape=(4,), dtype=float32, op=dml.SUM) #2; rank(s) [2] have not arrived" in job.output
+    assert "rank 2: not in a collective" in job.output
     assert "not aborted" not in job.output

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from distutils_ml.backends.base import Backend, ReduceOp
+from distutils_ml.watchdog import CollectiveMismatchError, StallError, describe, resolve_timeout
 
 __all__ = ["LocalBackend"]
 
@@ -41,8 +42,9 @@ class RankFailedError(RuntimeError):
 class _World:
     """The shared state of one simulated world: a reusable rendezvous."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, stall_timeout: float = 0.0) -> None:
         self.size = size
+        self.stall_timeout = stall_timeout
         self.cond = threading.Condition()
         self.slots: list[Any] = [None] * size
         self.arrived = 0
@@ -78,9 +80,23 @@ class _World:
                 self.slots = [None] * self.size
                 self.cond.notify_all()
                 return self.snapshot
+            start = time.monotonic()
             while self.generation == gen:
                 self._check_alive(rank, what)
-                self.cond.wait()
+                if not self.stall_timeout:
+                    self.cond.wait()
+                    continue
+                waited = time.monotonic() - start
+                if waited >= self.stall_timeout:
+                    missing = [r for r in range(self.size) if self.slots[r] is None]
+                    err = StallError(
+                        f"LocalBackend rank {rank}: stall: waited {waited:.1f} s in {what} #{gen + 1}; "
+                        f"rank(s) {missing} have not arrived (stall_timeout={self.stall_timeout:g} s)"
+                    )
+                    self.failure = self.failure or (rank, err)
+                    self.cond.notify_all()
+                    raise err
+                self.cond.wait(self.stall_timeout - waited)
             return self.snapshot
 
     def fail(self, rank: int, exc: BaseException) -> None:
@@ -121,19 +137,30 @@ class LocalBackend(Backend):
         return 1 if self._world is None else self._world.size
 
     @staticmethod
-    def spawn(world_size: int, fn: Callable[..., R], *args: Any, timeout: float | None = None) -> list[R]:
+    def spawn(
+        world_size: int,
+        fn: Callable[..., R],
+        *args: Any,
+        timeout: float | None = None,
+        stall_timeout: float | None = None,
+    ) -> list[R]:
         """Run ``fn(backend, *args)`` on ``world_size`` simulated ranks; return results in rank order.
 
         Each rank runs on its own thread with its own ``LocalBackend``; inside that
         thread ``dml.get_distributed_backend(dml.LocalBackend)`` returns it too. If any
         rank raises, the ranks waiting in a collective are released at once and the
-        first exception is re-raised here.
+        first exception is re-raised here (ranks busy outside a collective get one
+        second to finish; after that they are left behind as daemon threads, and fail
+        at their next collective).
 
         Args:
             world_size: number of ranks, at least 1.
             fn: called as ``fn(backend, *args)`` on every rank.
             timeout: seconds to wait for all ranks (None: no limit); on expiry a
                 ``TimeoutError`` names the ranks still running.
+            stall_timeout: seconds a rank may wait in one collective before a
+                ``StallError`` names the ranks that never arrived (default
+                ``DML_TIMEOUT`` or 300; 0: wait forever).
 
         Example:
             >>> LocalBackend.spawn(3, lambda b: dml.local_rank(b))
@@ -143,7 +170,7 @@ class LocalBackend(Backend):
             raise ValueError(f"world_size: got {world_size!r}; allowed: an int >= 1")
         if not callable(fn):
             raise TypeError(f"fn: got {type(fn).__qualname__}; allowed: a callable taking (backend, *args)")
-        world = _World(world_size)
+        world = _World(world_size, resolve_timeout(stall_timeout))
         results: list[Any] = [None] * world_size
 
         def run(rank: int) -> None:
@@ -162,13 +189,20 @@ class LocalBackend(Backend):
         for t in threads:
             t.start()
         deadline = None if timeout is None else time.monotonic() + timeout
+        grace_end = None  # after a failure, ranks outside collectives get a second to finish
         for t in threads:
-            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if t.is_alive():
-                alive = [r for r, th in enumerate(threads) if th.is_alive()]
-                err = TimeoutError(f"LocalBackend.spawn: ranks {alive} still running after {timeout} s")
-                world.fail(alive[0], err)
-                raise err
+            while t.is_alive():
+                t.join(0.05)
+                now = time.monotonic()
+                if world.failure is not None and grace_end is None:
+                    grace_end = now + 1.0
+                if grace_end is not None and now > grace_end:
+                    raise world.failure[1]  # type: ignore[index]
+                if deadline is not None and now > deadline:
+                    alive = [r for r, th in enumerate(threads) if th.is_alive()]
+                    err = TimeoutError(f"LocalBackend.spawn: ranks {alive} still running after {timeout} s")
+                    world.fail(alive[0], err)
+                    raise err
         if world.failure is not None:
             raise world.failure[1]
         return results
@@ -181,8 +215,13 @@ class LocalBackend(Backend):
         snap = world.rendezvous(self._rank, (fingerprint, deposit), fingerprint[0])
         prints = [s[0] for s in snap]
         if any(p != prints[0] for p in prints):
-            lines = "; ".join(f"rank {r}: {_describe(p)}" for r, p in enumerate(prints))
-            raise RuntimeError(f"LocalBackend rank {self._rank}: ranks called mismatched collectives: {lines}")
+            groups: dict[str, list[int]] = {}
+            for r, p in enumerate(prints):
+                groups.setdefault(describe(*p), []).append(r)
+            detail = "; ".join(f"rank(s) {ranks} called {call}" for call, ranks in groups.items())
+            raise CollectiveMismatchError(
+                f"LocalBackend rank {self._rank}: collective #{world.generation} differs across ranks: {detail}"
+            )
         return tuple(s[1] for s in snap)
 
     def _allreduce(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, op: ReduceOp) -> None:
@@ -228,7 +267,7 @@ class LocalBackend(Backend):
         if self._world is None:
             return obj
         mine = pickle.dumps(obj) if self._rank == root else None
-        parts = self._exchange(mine, ("bcast_object", None, None, None, root))
+        parts = self._exchange(mine, _fingerprint("bcast_object", None, root=root))
         return obj if self._rank == root else pickle.loads(parts[root])
 
 
@@ -238,18 +277,6 @@ def _reduce_into(out: np.ndarray, parts: tuple[np.ndarray, ...], op: ReduceOp) -
     np.copyto(out, parts[0])
     for part in parts[1:]:
         ufunc(out, part, out=out)
-
-
-def _describe(fp: tuple) -> str:
-    kind, shape, dtype, op, root = fp
-    bits = [kind]
-    if shape is not None:
-        bits.append(f"shape={tuple(shape)} dtype={np.dtype(dtype)}")
-    if op is not None:
-        bits.append(f"op={op!r}")
-    if root is not None:
-        bits.append(f"root={root}")
-    return " ".join(bits)
 
 
 def current_spawned_backend() -> LocalBackend | None:

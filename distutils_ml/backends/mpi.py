@@ -17,19 +17,24 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import traceback
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from distutils_ml.backends.base import Backend, ReduceOp
+from distutils_ml.watchdog import CollectiveMismatchError, MPIWatchdog, describe, resolve_debug, resolve_timeout
 
 __all__ = ["MPIBackend"]
 
 DEFAULT_SEGMENT_BYTES = 4 * 1024 * 1024
 _SEGMENT_ENV = "DML_MPI_SEGMENT_BYTES"
 _BOOL = np.dtype(np.bool_)
+_KINDS = {"allreduce": 1, "reduce": 2, "bcast": 3, "allgather": 4, "barrier": 5, "bcast_object": 6}
+_OP_CODES = {op: i for i, op in enumerate(ReduceOp)}
 
 
 def _import_mpi() -> Any:
@@ -61,11 +66,27 @@ class MPIBackend(Backend):
             0 turns segmenting off).
         fail_fast: install the hook that aborts the job on an uncaught exception
             (default True).
+        timeout: seconds a collective may wait for the other ranks before the job
+            is ended with a report naming the collective and the missing ranks
+            (default ``DML_TIMEOUT`` or 300; 0 turns stall detection off).
+        debug: compare a fingerprint of every collective across ranks first and
+            raise ``CollectiveMismatchError`` on every rank when they differ
+            (default ``DML_DEBUG``; costs one small allgather per collective).
     """
 
     native_avg = True
 
-    def __init__(self, comm: Any = None, *, segment_bytes: int | None = None, fail_fast: bool = True) -> None:
+    def __init__(
+        self,
+        comm: Any = None,
+        *,
+        segment_bytes: int | None = None,
+        fail_fast: bool = True,
+        timeout: float | None = None,
+        debug: bool | None = None,
+    ) -> None:
+        timeout = resolve_timeout(timeout)
+        self.debug = resolve_debug(debug)
         MPI = _import_mpi()
         self._MPI = MPI
         self.comm = MPI.COMM_WORLD if comm is None else comm
@@ -89,8 +110,53 @@ class MPIBackend(Backend):
             ReduceOp.AVG: MPI.SUM,
         }
         self._in_place = MPI.IN_PLACE
+        self._seq = 0  # collectives started on this backend: the same count on every rank
+        self._inflight: tuple | None = None  # (seq, kind, array, op, root, start) while one runs
         if fail_fast:
             install_fail_fast(MPI)
+        self.timeout = timeout
+        if timeout > 0 and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            warnings.warn(
+                "MPIBackend: stall detection needs MPI_THREAD_MULTIPLE (mpi4py's default thread level); it is off",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.timeout = 0.0
+        self._watchdog = MPIWatchdog(self, self.comm.Dup(), self.timeout) if self.timeout > 0 else None
+
+    def _begin(self, kind: str, arr: np.ndarray | None, op: ReduceOp | None = None, root: int = -1) -> None:
+        """Number this collective, compare fingerprints in debug mode, and show it to the watchdog."""
+        self._seq += 1
+        if self.debug:
+            self._check_fingerprint(kind, arr, op, root)
+        self._inflight = (self._seq, kind, arr, op, root, time.monotonic())
+
+    def _check_fingerprint(self, kind: str, arr: np.ndarray | None, op: ReduceOp | None, root: int) -> None:
+        shape = () if arr is None else arr.shape
+        mine = np.array(
+            [
+                self._seq,
+                _KINDS[kind],
+                -1 if op is None else _OP_CODES[op],
+                root,
+                -1 if arr is None else arr.dtype.num,
+                len(shape),
+                hash(tuple(shape)),
+            ],
+            dtype=np.int64,
+        )
+        every = np.empty((self._size, mine.size), dtype=np.int64)
+        self.comm.Allgather(mine, every)
+        if (every == every[0]).all():
+            return
+        calls = self.comm.allgather(
+            describe(kind, None if arr is None else shape, None if arr is None else arr.dtype, op, root)
+        )
+        groups: dict[str, list[int]] = {}
+        for r, call in enumerate(calls):
+            groups.setdefault(call, []).append(r)
+        detail = "; ".join(f"rank(s) {ranks} called {call}" for call, ranks in groups.items())
+        raise CollectiveMismatchError(f"collective #{self._seq} differs across ranks: {detail}")
 
     @property
     def rank(self) -> int:
@@ -117,44 +183,68 @@ class MPIBackend(Backend):
         if recvbuf.dtype is _BOOL:  # MPI defines MAX/MIN on integers, not on C bool
             recvbuf = recvbuf.view(np.uint8)
             sendbuf = None if sendbuf is None else sendbuf.view(np.uint8)
+        self._begin("allreduce", recvbuf, op)
         mop = self._ops[op]
         send = self._in_place if sendbuf is None else sendbuf
-        if recvbuf.nbytes <= self.segment_bytes or self.segment_bytes == 0:  # the latency-bound path
-            self.comm.Allreduce(send, recvbuf, mop)
-            if op is ReduceOp.AVG:
-                np.divide(recvbuf, self._size, out=recvbuf)
-            return
-        for s, r in self._pieces(recvbuf, send, recvbuf):
-            self.comm.Allreduce(s, r, mop)
-            if op is ReduceOp.AVG:  # while the piece is still in cache
-                np.divide(r, self._size, out=r)
+        try:
+            if recvbuf.nbytes <= self.segment_bytes or self.segment_bytes == 0:  # the latency-bound path
+                self.comm.Allreduce(send, recvbuf, mop)
+                if op is ReduceOp.AVG:
+                    np.divide(recvbuf, self._size, out=recvbuf)
+                return
+            for s, r in self._pieces(recvbuf, send, recvbuf):
+                self.comm.Allreduce(s, r, mop)
+                if op is ReduceOp.AVG:  # while the piece is still in cache
+                    np.divide(r, self._size, out=r)
+        finally:
+            self._inflight = None
 
     def _reduce(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, op: ReduceOp, root: int) -> None:
         if recvbuf.dtype is _BOOL:
             recvbuf = recvbuf.view(np.uint8)
             sendbuf = None if sendbuf is None else sendbuf.view(np.uint8)
+        self._begin("reduce", recvbuf, op, root)
         mop = self._ops[op]
         is_root = self._rank == root
         if sendbuf is None:  # in place: root reduces into recvbuf, the others send theirs
             send, recv = (self._in_place, recvbuf) if is_root else (recvbuf, None)
         else:  # MPI ignores recvbuf off root; pass None so it is never touched
             send, recv = sendbuf, (recvbuf if is_root else None)
-        for s, r in self._pieces(recvbuf, send, recv):
-            self.comm.Reduce(s, r, mop, root)
-            if is_root and op is ReduceOp.AVG:
-                np.divide(r, self._size, out=r)
+        try:
+            for s, r in self._pieces(recvbuf, send, recv):
+                self.comm.Reduce(s, r, mop, root)
+                if is_root and op is ReduceOp.AVG:
+                    np.divide(r, self._size, out=r)
+        finally:
+            self._inflight = None
 
     def _bcast(self, buf: np.ndarray, root: int) -> None:
-        self.comm.Bcast(buf, root)
+        self._begin("bcast", buf, None, root)
+        try:
+            self.comm.Bcast(buf, root)
+        finally:
+            self._inflight = None
 
     def _allgather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
-        self.comm.Allgather(sendbuf, recvbuf)
+        self._begin("allgather", sendbuf)
+        try:
+            self.comm.Allgather(sendbuf, recvbuf)
+        finally:
+            self._inflight = None
 
     def _barrier(self) -> None:
-        self.comm.Barrier()
+        self._begin("barrier", None)
+        try:
+            self.comm.Barrier()
+        finally:
+            self._inflight = None
 
     def _bcast_object(self, obj: Any, root: int) -> Any:
-        return self.comm.bcast(obj, root)
+        self._begin("bcast_object", None, None, root)
+        try:
+            return self.comm.bcast(obj, root)
+        finally:
+            self._inflight = None
 
 
 _hook_lock = threading.Lock()
