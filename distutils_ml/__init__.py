@@ -12,6 +12,7 @@ Backend-first functions in the style of Lux.jl's ``DistributedUtils``::
 from distutils_ml.backends.base import Backend, ReduceOp
 from distutils_ml.backends.local import LocalBackend
 from distutils_ml.backends.mpi import MPIBackend
+from distutils_ml.checkpoint import load, rng_state, save, set_rng_state
 from distutils_ml.collectives import allgather, allreduce, barrier, bcast, reduce
 from distutils_ml.data import DistributedDataContainer, getobs, numobs
 from distutils_ml.optimizer import DistributedOptimizer, allreduce_gradients
@@ -51,10 +52,14 @@ __all__ = [
     "getobs",
     "initialize",
     "initialized",
+    "load",
     "local_rank",
     "numobs",
     "print",
     "reduce",
+    "rng_state",
+    "save",
+    "set_rng_state",
     "synchronize",
     "total_workers",
 ]

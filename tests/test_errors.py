@@ -56,6 +56,10 @@ CASES: list[tuple[str, type[Exception], str, Callable[[dml.Backend], Any]]] = [
     ("optimizer bucket", ValueError, "bucket_bytes: got -5", lambda b: dml.DistributedOptimizer(b, torch.optim.SGD(_model().parameters(), lr=1), bucket_bytes=-5)),
     ("optimizer wire dtype", ValueError, "communication_dtype", lambda b: dml.DistributedOptimizer(b, torch.optim.SGD(_model().parameters(), lr=1), communication_dtype=torch.int32)),
     ("gradients of junk", TypeError, "module_or_params: got int", lambda b: dml.allreduce_gradients(b, 3)),
+    # checkpoints
+    ("save path type", TypeError, "save: path: got int", lambda b: dml.save(b, {"x": 1}, 42)),
+    ("load missing file", FileNotFoundError, "/nonexistent/ckpt.pt", lambda b: dml.load(b, "/nonexistent/ckpt.pt")),
+    ("load backend", TypeError, "first argument must be a backend", lambda b: dml.load("ckpt.pt", b)),
     ("gradients of a list of junk", TypeError, "module_or_params: contains str", lambda b: dml.allreduce_gradients(b, ["w"])),
 ]  # fmt: skip
 

@@ -1,0 +1,275 @@
+"""save / load / rng_state: semantics on simulated ranks, and an exact resume under mpiexec."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import distutils_ml as dml
+from distutils_ml.checkpoint import load, rng_state, save, set_rng_state
+
+from mpirun import requires_mpi, run_mpi
+
+
+class Custom:
+    """A class that ``weights_only`` loading refuses."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def outcome(fn: Any) -> tuple[str, str]:
+    """``fn()``'s exception as (class name, message), or ("ok", repr of its result)."""
+    try:
+        return "ok", repr(fn())
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+
+
+def listing(path: Path) -> list[str]:
+    return sorted(os.listdir(path))
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
+    """The simulated ranks (thread names) that call torch.save and torch.load."""
+    seen: dict[str, list[str]] = {"save": [], "load": []}
+    real_save, real_load = torch.save, torch.load
+
+    # Pickling a tensor (as LocalBackend's object broadcast does) calls torch.save / torch.load
+    # on in-memory buffers: count only the calls on files.
+    def spy_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(f, io.BytesIO):
+            seen["save"].append(threading.current_thread().name)
+        return real_save(obj, f, *args, **kwargs)
+
+    def spy_load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(f, io.BytesIO):
+            seen["load"].append(threading.current_thread().name)
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", spy_save)
+    monkeypatch.setattr(torch, "load", spy_load)
+    return seen
+
+
+# -- save -------------------------------------------------------------------------------
+
+
+def test_save_writes_rank0_object_once_and_returns_when_written(tmp_path: Path, calls: dict) -> None:
+    path = tmp_path / "ckpt.pt"
+
+    def body(b: dml.Backend) -> Any:
+        rank = dml.local_rank(b)
+        # Only rank 0's object is written: the others' need not even be picklable.
+        obj = {"rank": rank, "t": torch.arange(3) * (rank + 1)} if rank == 0 else {"f": lambda: rank}
+        save(b, obj, path)
+        return torch.load(path, weights_only=True)  # every rank sees the finished file
+
+    results = dml.LocalBackend.spawn(3, body, timeout=60)
+    assert calls["save"] == ["dml-local-rank-0"]
+    for got in results:
+        assert got["rank"] == 0 and torch.equal(got["t"], torch.arange(3))
+    assert listing(tmp_path) == ["ckpt.pt"], "no temporary file is left behind"
+
+
+def test_save_converts_live_objects_to_their_state(tmp_path: Path) -> None:
+    path = tmp_path / "live.pt"
+
+    def body(b: dml.Backend) -> Any:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+        opt = dml.DistributedOptimizer(b, torch.optim.Adam(model.parameters(), lr=0.1))
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        model(torch.randn(5, 3)).sum().backward()
+        opt.step()
+        sched.step()
+        ddc = dml.DistributedDataContainer(b, np.arange(10), shuffle=True)
+        ddc.set_epoch(4)
+        save(b, {"model": model, "opt": opt, "sched": sched, "data": ddc, "nested": [(model, 7)]}, path)
+        return load(b, path), model.state_dict(), opt.state_dict(), sched.state_dict()
+
+    results = dml.LocalBackend.spawn(2, body, timeout=60)
+    _, model_sd, opt_sd, sched_sd = results[0]  # what every rank loads: rank 0's
+    for got, *_ in results:
+        assert list(got["model"]) == list(model_sd)
+        assert all(torch.equal(got["model"][k], v) for k, v in model_sd.items())
+        assert all(torch.equal(got["nested"][0][0][k], v) for k, v in model_sd.items())
+        assert got["nested"][0][1] == 7
+        assert got["opt"]["param_groups"] == opt_sd["param_groups"]
+        for i, state in opt_sd["state"].items():
+            assert all(torch.equal(got["opt"]["state"][i][k], v) for k, v in state.items())
+        assert got["sched"] == sched_sd
+        assert got["data"] == {"epoch": 4}
+
+
+def test_failing_save_raises_everywhere_and_keeps_the_old_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+
+    def body(b: dml.Backend) -> Any:
+        save(b, {"good": torch.ones(2)}, path)
+        return outcome(lambda: save(b, {"bad": lambda: 0}, path))  # rank 0 cannot pickle it
+
+    results = dml.LocalBackend.spawn(3, body, timeout=60)
+    assert len(set(results)) == 1, "every rank raises the same error"
+    for kind, message in results:
+        # Python raises PicklingError or AttributeError ("Can't pickle local object"), by version.
+        assert kind in ("PicklingError", "AttributeError") and "pickle" in message, (kind, message)
+        assert f"save: rank 0 could not write the checkpoint {str(path)!r}" in message
+    assert torch.equal(torch.load(path, weights_only=True)["good"], torch.ones(2))
+    assert listing(tmp_path) == ["ckpt.pt"]
+
+
+def test_crash_during_write_leaves_the_old_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "ckpt.pt"
+    dml.LocalBackend.spawn(2, save, {"epoch": 1}, path, timeout=60)
+
+    def broken_fsync(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    results = dml.LocalBackend.spawn(2, lambda b: outcome(lambda: save(b, {"epoch": 2}, path)), timeout=60)
+    assert [kind for kind, _ in results] == ["OSError", "OSError"], results
+    assert all("No space left on device" in message for _, message in results)
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=True) == {"epoch": 1}
+    assert listing(tmp_path) == ["ckpt.pt"]
+
+
+def test_save_into_a_missing_directory_raises_everywhere(tmp_path: Path) -> None:
+    path = tmp_path / "nowhere" / "ckpt.pt"
+    results = dml.LocalBackend.spawn(2, lambda b: outcome(lambda: save(b, {"x": 1}, path)), timeout=60)
+    for kind, message in results:
+        assert kind == "FileNotFoundError" and "does not exist; create it first" in message, (kind, message)
+
+
+# -- load -------------------------------------------------------------------------------
+
+
+def test_load_reads_on_rank0_and_gives_every_rank_a_copy(tmp_path: Path, calls: dict) -> None:
+    path = tmp_path / "ckpt.pt"
+    torch.save({"w": torch.arange(6.0).reshape(2, 3), "step": 5, "name": "run"}, path)
+    calls["save"].clear()
+    results = dml.LocalBackend.spawn(3, load, path, timeout=60)
+    assert calls["load"] == ["dml-local-rank-0"]
+    for got in results:
+        assert set(got) == {"w", "step", "name"} and got["step"] == 5 and got["name"] == "run"
+        assert torch.equal(got["w"], torch.arange(6.0).reshape(2, 3))
+    pointers = {got["w"].data_ptr() for got in results}
+    assert len(pointers) == 3, "no two ranks share a tensor"
+
+
+def test_load_of_a_missing_file_raises_on_every_rank(tmp_path: Path) -> None:
+    path = tmp_path / "missing.pt"
+    results = dml.LocalBackend.spawn(3, lambda b: outcome(lambda: load(b, path)), timeout=60)
+    for kind, message in results:
+        assert kind == "FileNotFoundError", (kind, message)
+        assert f"load: rank 0 could not read the checkpoint {str(path)!r}" in message
+
+
+def test_weights_only_refuses_other_classes_unless_turned_off(tmp_path: Path) -> None:
+    path = tmp_path / "custom.pt"
+
+    def body(b: dml.Backend) -> Any:
+        save(b, {"c": Custom(3)}, path)
+        return outcome(lambda: load(b, path)), load(b, path, weights_only=False)["c"].value
+
+    for (kind, message), value in dml.LocalBackend.spawn(2, body, timeout=60):
+        assert kind == "UnpicklingError" and "Weights only load failed" in message, (kind, message)
+        assert value == 3
+
+
+# -- bad input --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "words"),
+    [
+        (lambda b, p: save(dml.LocalBackend, {}, p), TypeError, "pass backend = dml.get_distributed_backend"),
+        (lambda b, p: load(None, p), TypeError, "the first argument must be a backend instance, got NoneType"),
+        (lambda b, p: save(b, {}, 3), TypeError, "save: path: got int; allowed: a str or os.PathLike"),
+        (lambda b, p: load(b, b"ckpt.pt"), TypeError, "load: path: got bytes; allowed: a str or os.PathLike"),
+        (lambda b, p: load(b, ""), ValueError, "load: path: got an empty string"),
+        (lambda b, p: load(b, p, weights_only="yes"), TypeError, "weights_only: got str; allowed: True or False"),
+        (lambda b, p: set_rng_state([1, 2]), TypeError, "state: got list; allowed: a dict from dml.rng_state()"),
+        (lambda b, p: set_rng_state({"torch": 1}), ValueError, "missing keys ['numpy', 'python']"),
+    ],
+)
+def test_bad_input_is_rejected_before_any_communication(tmp_path: Path, call: Any, error: type, words: str) -> None:
+    with pytest.raises(error) as info:
+        call(dml.LocalBackend(), tmp_path / "ckpt.pt")
+    assert words in str(info.value)
+
+
+# -- RNG state --------------------------------------------------------------------------
+
+
+def draws() -> tuple[torch.Tensor, np.ndarray, list[float]]:
+    return torch.rand(4), np.random.standard_normal(3), [random.random(), random.gauss(0, 1)]
+
+
+def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path: Path) -> None:
+    before = rng_state()
+    try:
+        draws()  # leaves cached Gaussians in NumPy's and Python's generators
+        path = tmp_path / "rng.pt"
+        dml.LocalBackend.spawn(1, save, {"rng": rng_state()}, path, timeout=60)
+        expected = draws()
+        draws()
+        set_rng_state(dml.LocalBackend.spawn(2, load, path, timeout=60)[1]["rng"])
+        got = draws()
+        assert torch.equal(got[0], expected[0])
+        assert np.array_equal(got[1], expected[1])
+        assert got[2] == expected[2]
+    finally:
+        set_rng_state(before)
+
+
+def test_rng_state_carries_the_cuda_generator_once_cuda_is_initialized(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CPU-only machines too: a stand-in for the current CUDA device's generator.
+    device_state = {"now": torch.arange(8, dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+
+    def get_rng_state() -> torch.Tensor:
+        return device_state["now"].clone()
+
+    monkeypatch.setattr(torch.cuda, "get_rng_state", get_rng_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: device_state.update(now=s.clone()))
+    state = rng_state()
+    assert torch.equal(state["cuda"], torch.arange(8, dtype=torch.uint8))
+    device_state["now"] = torch.zeros(8, dtype=torch.uint8)
+    set_rng_state(state)
+    assert torch.equal(device_state["now"], torch.arange(8, dtype=torch.uint8))
+
+
+# -- the acceptance test: resume under mpiexec is bitwise exact -----------------------------
+
+
+@requires_mpi
+def test_resume_in_a_fresh_job_is_bitwise_identical_to_a_straight_run(tmp_path: Path) -> None:
+    pytest.importorskip("torchdata")
+    ckpt = str(tmp_path / "half.pt")
+    runs = {}
+    for mode in ("straight", "first-half", "second-half"):
+        out = str(tmp_path / f"{mode}.pt")
+        job = run_mpi(2, ["tests/checkpoint_job.py", mode, ckpt, out], timeout=180)
+        assert job.returncode == 0, job.output[-8000:]
+        runs[mode] = torch.load(out, weights_only=True)
+    straight, first, second = runs["straight"], runs["first-half"], runs["second-half"]
+    assert first["losses"] == straight["losses"][:5]
+    assert second["losses"] == straight["losses"][5:], "the resumed steps draw the same batches and random numbers"
+    assert second["epoch"] == straight["epoch"] == 1
+    for name, tensor in straight["model"].items():
+        assert torch.equal(second["model"][name], tensor), name
+    assert not all(torch.equal(first["model"][k], v) for k, v in straight["model"].items())
+    for i, state in straight["opt"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(second["opt"]["state"][i][key], value), (i, key)
