@@ -12,6 +12,7 @@ Backend-first functions in the style of Lux.jl's ``DistributedUtils``::
 from distutils_ml.backends.base import Backend, ReduceOp
 from distutils_ml.backends.local import LocalBackend
 from distutils_ml.backends.mpi import MPIBackend
+from distutils_ml.backends.nccl import NCCLBackend
 from distutils_ml.checkpoint import load, rng_state, save, set_rng_state
 from distutils_ml.collectives import allgather, allreduce, barrier, bcast, reduce
 from distutils_ml.data import DistributedDataContainer, getobs, numobs
@@ -41,6 +42,7 @@ __all__ = [
     "DistributedOptimizer",
     "LocalBackend",
     "MPIBackend",
+    "NCCLBackend",
     "ReduceOp",
     "StallError",
     "allgather",

@@ -17,10 +17,15 @@ from distutils_ml.backends.base import ReduceOp
 __all__ = [
     "ArrayLike",
     "HALF_DTYPES",
+    "OnDevice",
     "OP_DTYPE_OK",
     "FLOAT_DTYPES",
     "check_op_dtype",
+    "cuda_tensor",
     "dtype_name",
+    "not_contiguous",
+    "pinned_like",
+    "torch_dtype_name",
     "result_view",
     "source_view",
     "to_float32",
@@ -100,15 +105,55 @@ def check_op_dtype(op: ReduceOp, dt: str, name: str) -> None:
     raise TypeError(f"{name}: {op!r} is not defined for dtype {dt}; bool buffers allow only dml.MAX and dml.MIN")
 
 
-def _type_error(buf: Any, name: str) -> TypeError:
+class OnDevice(Exception):
+    """Raised by the host views for a CUDA buffer: the collectives then take the device path."""
+
+
+def _type_error(buf: Any, name: str) -> Exception:
     if isinstance(buf, torch.Tensor):
-        return TypeError(
-            f"{name}: a torch tensor on device '{buf.device}' is not supported by this backend; "
-            "pass a CPU tensor (tensor.cpu())"
-        )
+        if buf.is_cuda:
+            return OnDevice()
+        return TypeError(f"{name}: a torch tensor on device '{buf.device}' is not supported; pass a CPU or CUDA tensor")
+    if hasattr(type(buf), "__cuda_array_interface__"):  # CuPy and other CUDA arrays
+        return OnDevice()
     return TypeError(
-        f"{name}: got {type(buf).__module__}.{type(buf).__qualname__}; allowed: numpy.ndarray or a CPU torch.Tensor"
+        f"{name}: got {type(buf).__module__}.{type(buf).__qualname__}; "
+        "allowed: numpy.ndarray, torch.Tensor (CPU or CUDA) or a CuPy array"
     )
+
+
+def cuda_tensor(buf: Any, name: str) -> torch.Tensor:
+    """A torch CUDA tensor sharing ``buf``'s memory (a CUDA tensor itself, or a CuPy array via DLPack).
+
+    Raises:
+        TypeError: not a CUDA buffer, or an unsupported dtype.
+    """
+    if isinstance(buf, torch.Tensor):
+        t = buf.detach()
+    elif hasattr(type(buf), "__cuda_array_interface__"):
+        t = torch.from_dlpack(buf)  # zero-copy; ordered after CuPy's current stream
+    else:
+        raise TypeError(f"{name}: got {type(buf).__qualname__}; allowed: a CUDA torch.Tensor or a CuPy array")
+    if not t.is_cuda:
+        raise TypeError(f"{name}: a tensor on device '{t.device}' where a CUDA buffer was expected")
+    if t.dtype not in _TORCH_DTYPES:
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported; allowed: {_ALLOWED_DTYPES}")
+    return t
+
+
+def torch_dtype_name(t: torch.Tensor) -> str:
+    """The portable dtype name of a tensor whose dtype is supported."""
+    return _TORCH_DTYPES[t.dtype]
+
+
+def pinned_like(owner: Any, slot: str, t: torch.Tensor) -> torch.Tensor:
+    """A pinned host tensor shaped like ``t``, reused across calls (one growing buffer per ``owner`` and ``slot``)."""
+    cache: dict[str, torch.Tensor] = owner.__dict__.setdefault("_pinned_buffers", {})
+    nbytes = t.numel() * t.element_size()
+    buf = cache.get(slot)
+    if buf is None or buf.numel() < nbytes:
+        buf = cache[slot] = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+    return buf[:nbytes].view(t.dtype).view(t.shape)
 
 
 def _torch_view(buf: torch.Tensor, name: str, contiguous: bool) -> tuple[np.ndarray, str]:
@@ -118,7 +163,7 @@ def _torch_view(buf: torch.Tensor, name: str, contiguous: bool) -> tuple[np.ndar
     if dt is None:
         raise TypeError(f"{name}: dtype {buf.dtype} is not supported; allowed: {_ALLOWED_DTYPES}")
     if contiguous and not buf.is_contiguous():
-        raise _not_contiguous(name, buf.shape)
+        raise not_contiguous(name, buf.shape)
     if buf.requires_grad:
         buf = buf.detach()
     if dt == "bfloat16":
@@ -126,7 +171,7 @@ def _torch_view(buf: torch.Tensor, name: str, contiguous: bool) -> tuple[np.ndar
     return buf.numpy(), dt
 
 
-def _not_contiguous(name: str, shape: Any) -> ValueError:
+def not_contiguous(name: str, shape: Any) -> ValueError:
     return ValueError(
         f"{name}: a non-contiguous buffer of shape {tuple(shape)} cannot receive a result in place; "
         "pass a contiguous buffer (tensor.contiguous() / numpy.ascontiguousarray) and copy back"
@@ -146,7 +191,7 @@ def result_view(buf: Any, name: str) -> tuple[np.ndarray, str]:
             raise TypeError(f"{name}: dtype {buf.dtype} is not supported; allowed: {_ALLOWED_DTYPES}")
         flags = buf.flags
         if not flags.c_contiguous:
-            raise _not_contiguous(name, buf.shape)
+            raise not_contiguous(name, buf.shape)
         if not flags.writeable:
             raise ValueError(f"{name}: the array is read-only and cannot receive a result; pass a writable array")
         return buf, dt

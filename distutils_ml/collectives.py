@@ -15,10 +15,15 @@ import numpy as np
 from distutils_ml.arrays import (
     HALF_DTYPES,
     OP_DTYPE_OK,
+    OnDevice,
     check_op_dtype,
+    cuda_tensor,
+    not_contiguous,
+    pinned_like,
     result_view,
     source_view,
     to_float32,
+    torch_dtype_name,
     write_back,
 )
 from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
@@ -78,7 +83,8 @@ def allreduce(backend: Backend, sendbuf: Any, recvbuf: Any = None, op: Any = Non
 
     Args:
         backend: from ``dml.get_distributed_backend``.
-        sendbuf: NumPy array or CPU tensor (the in-place buffer in the 3-argument form).
+        sendbuf: NumPy array, torch tensor (CPU or CUDA) or CuPy array (the in-place
+            buffer in the 3-argument form).
         recvbuf: result buffer of the same shape and dtype.
         op: ``dml.SUM``, ``PROD``, ``MAX``, ``MIN``, ``AVG`` (or ``"sum"``, ``operator.add``, ``max``...).
 
@@ -90,12 +96,15 @@ def allreduce(backend: Backend, sendbuf: Any, recvbuf: Any = None, op: Any = Non
         recvbuf, op = _split_op(recvbuf, op)
     if type(op) is not ReduceOp:
         op = resolve_op(op)
-    if recvbuf is None:
-        send, (recv, dt) = None, result_view(sendbuf, "buf")
-        out = sendbuf
-    else:
-        send, recv, dt = _two_buffers(sendbuf, recvbuf)
-        out = recvbuf
+    try:
+        if recvbuf is None:
+            send, (recv, dt) = None, result_view(sendbuf, "buf")
+            out = sendbuf
+        else:
+            send, recv, dt = _two_buffers(sendbuf, recvbuf)
+            out = recvbuf
+    except OnDevice:
+        return _on_device("allreduce", backend, sendbuf, recvbuf, op)
     if (op, dt) not in OP_DTYPE_OK:
         check_op_dtype(op, dt, "buf" if recvbuf is None else "sendbuf")
     if dt in HALF_DTYPES and not backend.native_half_reductions:
@@ -133,11 +142,16 @@ def bcast(backend: Backend, sendbuf: Any, recvbuf: Any = None, *, root: int = 0)
     """
     check_backend(backend, "bcast")
     root = _check_root(backend, root)
+    try:
+        if recvbuf is None:
+            buf, _ = result_view(sendbuf, "buf")
+        else:
+            send, recv, _ = _two_buffers(sendbuf, recvbuf)
+    except OnDevice:
+        return _on_device("bcast", backend, sendbuf, recvbuf, None, root)
     if recvbuf is None:
-        buf, _ = result_view(sendbuf, "buf")
         backend._bcast(buf, root)
         return sendbuf
-    send, recv, _ = _two_buffers(sendbuf, recvbuf)
     if send is not None and backend.rank == root:
         np.copyto(recv, send)
     backend._bcast(recv, root)
@@ -162,12 +176,15 @@ def reduce(backend: Backend, sendbuf: Any, recvbuf: Any = None, op: Any = None, 
     recvbuf, op = _split_op(recvbuf, op)
     op = resolve_op(op)
     root = _check_root(backend, root)
-    if recvbuf is None:
-        send, (recv, dt) = None, result_view(sendbuf, "buf")
-        out = sendbuf
-    else:
-        send, recv, dt = _two_buffers(sendbuf, recvbuf)
-        out = recvbuf
+    try:
+        if recvbuf is None:
+            send, (recv, dt) = None, result_view(sendbuf, "buf")
+            out = sendbuf
+        else:
+            send, recv, dt = _two_buffers(sendbuf, recvbuf)
+            out = recvbuf
+    except OnDevice:
+        return _on_device("reduce", backend, sendbuf, recvbuf, op, root)
     check_op_dtype(op, dt, "buf" if recvbuf is None else "sendbuf")
     is_root = backend.rank == root
     if dt in HALF_DTYPES and not backend.native_half_reductions:
@@ -200,8 +217,11 @@ def allgather(backend: Backend, sendbuf: Any, recvbuf: T) -> T:
         >>> dml.allgather(backend, x, out)
     """
     check_backend(backend, "allgather")
-    recv, rdt = result_view(recvbuf, "recvbuf")
-    send, sdt = source_view(sendbuf, "sendbuf")
+    try:
+        recv, rdt = result_view(recvbuf, "recvbuf")
+        send, sdt = source_view(sendbuf, "sendbuf")
+    except OnDevice:
+        return _on_device("allgather", backend, sendbuf, recvbuf)
     _check_match(send, sdt, recv, rdt, (backend.size, *send.shape))
     backend._allgather(send, recv)
     return recvbuf
@@ -211,3 +231,61 @@ def barrier(backend: Backend) -> None:
     """Return once every rank has called ``barrier``."""
     check_backend(backend, "barrier")
     backend._barrier()
+
+
+# -- CUDA buffers -------------------------------------------------------------------------
+
+
+def _on_device(  # noqa: PLR0917 - private; mirrors the public collectives' arguments
+    kind: str, backend: Backend, sendbuf: Any, recvbuf: Any, op: ReduceOp | None = None, root: int = 0
+) -> Any:
+    """A collective on CUDA buffers: the backend's device path (NCCL, CUDA-aware MPI), or staged through host memory.
+
+    Work is ordered after everything queued on torch's current CUDA stream: copies and
+    NCCL calls run on it, and MPI only touches memory after it is synchronized.
+    """
+    out = sendbuf if recvbuf is None else recvbuf
+    rname = "buf" if recvbuf is None else "recvbuf"
+    recv = cuda_tensor(out, rname)
+    if not recv.is_contiguous():
+        raise not_contiguous(rname, recv.shape)
+    send = None
+    if recvbuf is not None and sendbuf is not recvbuf:
+        send = cuda_tensor(sendbuf, "sendbuf").contiguous()
+        shape = (backend.size, *send.shape) if kind == "allgather" else tuple(send.shape)
+        if tuple(recv.shape) != shape:
+            raise ValueError(
+                f"recvbuf: got shape {tuple(recv.shape)}, expected {shape} (from sendbuf {tuple(send.shape)})"
+            )
+        if send.dtype != recv.dtype:
+            raise ValueError(
+                f"recvbuf: got dtype {torch_dtype_name(recv)}, expected sendbuf's dtype {torch_dtype_name(send)}"
+            )
+        if send.device != recv.device:
+            raise ValueError(f"sendbuf is on {send.device} and recvbuf on {recv.device}; pass buffers on one device")
+    if op is not None:
+        check_op_dtype(op, torch_dtype_name(recv), "buf" if send is None else "sendbuf")
+    if backend.takes_device_buffers:
+        backend._device_collective(kind, send, recv, op, root)
+        return out
+    # Staged: copy to reused pinned host buffers (the copy waits for the current stream), run
+    # the host collective, copy back.
+    host_recv = pinned_like(backend, "recv", recv)
+    host_recv.copy_(recv)
+    host_send = None
+    if send is not None:
+        host_send = pinned_like(backend, "send", send)
+        host_send.copy_(send)
+    if kind == "allreduce":
+        allreduce(backend, host_recv, op) if host_send is None else allreduce(backend, host_send, host_recv, op)
+    elif kind == "reduce":
+        if host_send is None:
+            reduce(backend, host_recv, op, root=root)
+        else:
+            reduce(backend, host_send, host_recv, op, root=root)
+    elif kind == "bcast":
+        bcast(backend, host_recv, root=root) if host_send is None else bcast(backend, host_send, host_recv, root=root)
+    else:
+        allgather(backend, host_send, host_recv)
+    recv.copy_(host_recv)
+    return out

@@ -48,7 +48,7 @@ class _GradientReducer:
         self._plan_key: tuple | None = None
         self._small: list[int] = []
         self._large: list[int] = []
-        self._buckets: dict[torch.dtype, torch.Tensor] = {}
+        self._buckets: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def _plan(self, params: list[torch.Tensor]) -> None:
         key = tuple((id(p), p.dtype, p.shape) for p in params)
@@ -66,18 +66,20 @@ class _GradientReducer:
             or (self.comm_dtype is not None and p.dtype != self.comm_dtype)
         ]
         self._large = [i for i in range(len(params)) if i not in set(self._small)]
-        sizes: dict[torch.dtype, int] = {}
+        # One bucket per wire dtype and device; the flags head the first parameter's device's bucket.
+        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
         for i in self._small:
             d = self._wire_dtype(params[i])
             sizes[d] = sizes.get(d, 0) + params[i].numel()
-        flag_dtype = self.comm_dtype or torch.float32
-        sizes[flag_dtype] = sizes.get(flag_dtype, 0) + len(params)
-        self._buckets = {d: torch.zeros(n, dtype=d) for d, n in sizes.items()}
-        self._flag_dtype = flag_dtype
+        flag_key = (self.comm_dtype or torch.float32, params[0].device if params else torch.device("cpu"))
+        sizes[flag_key] = sizes.get(flag_key, 0) + len(params)
+        self._buckets = {k: torch.zeros(n, dtype=k[0], device=k[1]) for k, n in sizes.items()}
+        self._flag_key = flag_key
         self._plan_key = key
 
-    def _wire_dtype(self, p: torch.Tensor) -> torch.dtype:
-        return self.comm_dtype or p.dtype
+    def _wire_dtype(self, p: torch.Tensor) -> tuple[torch.dtype, torch.device]:
+        """The bucket a small gradient travels in: its wire dtype and its device."""
+        return self.comm_dtype or p.dtype, p.device
 
     def reduce(self, params: list[torch.Tensor]) -> None:
         """Make every parameter's ``.grad`` the ``op`` of all ranks' gradients."""
@@ -85,9 +87,9 @@ class _GradientReducer:
         n = len(params)
         # Flags first, at the head of the flag dtype's bucket: 1 where this rank has a gradient.
         offsets = dict.fromkeys(self._buckets, 0)
-        flags = self._buckets[self._flag_dtype][:n]
-        flags.copy_(torch.tensor([p.grad is not None for p in params], dtype=self._flag_dtype))
-        offsets[self._flag_dtype] = n
+        flags = self._buckets[self._flag_key][:n]
+        flags.copy_(torch.tensor([p.grad is not None for p in params], dtype=self._flag_key[0]))
+        offsets[self._flag_key] = n
         slots: list[tuple[int, torch.Tensor]] = []
         for i in self._small:
             p = params[i]
@@ -101,7 +103,7 @@ class _GradientReducer:
                 view.copy_(p.grad.reshape(-1))
             slots.append((i, view))
         for d, bucket in self._buckets.items():
-            if d == self._flag_dtype and self._flags_op is not self.op:
+            if d == self._flag_key and self._flags_op is not self.op:
                 allreduce(self.backend, bucket[:n], self._flags_op)
                 if bucket.numel() > n:
                     allreduce(self.backend, bucket[n:], self.op)

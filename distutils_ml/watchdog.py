@@ -75,7 +75,8 @@ def describe(kind: str, shape: Any = None, dtype: Any = None, op: Any = None, ro
     if shape is not None:
         parts.append(f"shape={tuple(shape)}")
     if dtype is not None:
-        parts.append(f"dtype={np.dtype(dtype)}")
+        text = np.dtype(dtype) if isinstance(dtype, (np.dtype, str)) else str(dtype).removeprefix("torch.")
+        parts.append(f"dtype={text}")
     if op is not None:
         parts.append(f"op={op!r}")
     if root is not None and root >= 0:

@@ -274,7 +274,7 @@ def bad_calls(backend: dml.Backend) -> list[tuple[str, type[Exception], str, Any
         ("allgather wrong leading axis", ValueError, f"expected ({size}, 4)", lambda: dml.allgather(b, f32, np.zeros((size + 1, 4), np.float32))),
         ("allgather missing axis", ValueError, "recvbuf: got shape (4,)", lambda: dml.allgather(b, f32, np.zeros(4, np.float32))),
         ("overlapping buffers", ValueError, "overlap", lambda: dml.allreduce(b, f32[0:3], f32[1:4], dml.SUM)),
-        ("list buffer", TypeError, "allowed: numpy.ndarray or a CPU torch.Tensor", lambda: dml.allreduce(b, [1.0, 2.0], dml.SUM)),
+        ("list buffer", TypeError, "allowed: numpy.ndarray, torch.Tensor (CPU or CUDA) or a CuPy array", lambda: dml.allreduce(b, [1.0, 2.0], dml.SUM)),
         ("scalar buffer", TypeError, "buf: got builtins.float", lambda: dml.bcast(b, 1.0)),
         ("complex dtype", TypeError, "complex128", lambda: dml.allreduce(b, np.zeros(2, complex), dml.SUM)),
         ("AVG on int", TypeError, "AVG needs a floating-point buffer, got dtype int32", lambda: dml.allreduce(b, np.zeros(3, np.int32), dml.AVG)),

@@ -3,5 +3,6 @@
 from distutils_ml.backends.base import Backend, ReduceOp
 from distutils_ml.backends.local import LocalBackend
 from distutils_ml.backends.mpi import MPIBackend
+from distutils_ml.backends.nccl import NCCLBackend
 
-__all__ = ["Backend", "LocalBackend", "MPIBackend", "ReduceOp"]
+__all__ = ["Backend", "LocalBackend", "MPIBackend", "NCCLBackend", "ReduceOp"]

@@ -34,6 +34,12 @@ class ReduceOp(enum.Enum):
     # Enum's default hashes the name in Python, which costs on every collective).
     __hash__ = object.__hash__
 
+    def _device_collective(
+        self, kind: str, send: Any, recv: Any, op: ReduceOp | None, root: int
+    ) -> None:  # pragma: no cover - only backends with takes_device_buffers are called
+        """Run collective ``kind`` on contiguous CUDA tensors (``send`` None: in place), on the current stream."""
+        raise NotImplementedError(f"{type(self).__name__} does not take CUDA buffers")
+
     def __repr__(self) -> str:
         return f"dml.{self.name}"
 
@@ -81,6 +87,9 @@ class Backend(abc.ABC):
     #: True where the transport reduces float16/bfloat16 itself (NCCL); otherwise the
     #: collectives layer reduces them in float32 and writes the result back.
     native_half_reductions: bool = False
+    #: True where the backend takes CUDA buffers itself (NCCL, CUDA-aware MPI) through
+    #: ``_device_collective``; otherwise they are staged through pinned host memory.
+    takes_device_buffers: bool = False
     #: True where the transport averages itself (NCCL's ncclAvg); otherwise AVG is SUM, then divide.
     native_avg: bool = False
 
@@ -123,6 +132,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def _bcast_object(self, obj: Any, root: int) -> Any:
         """Return root's ``obj`` (a picklable Python object) on every rank."""
+
+    def _device_collective(
+        self, kind: str, send: Any, recv: Any, op: ReduceOp | None, root: int
+    ) -> None:  # pragma: no cover - only backends with takes_device_buffers are called
+        """Run collective ``kind`` on contiguous CUDA tensors (``send`` None: in place), on the current stream."""
+        raise NotImplementedError(f"{type(self).__name__} does not take CUDA buffers")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"

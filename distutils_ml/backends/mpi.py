@@ -32,6 +32,7 @@ __all__ = ["MPIBackend"]
 
 DEFAULT_SEGMENT_BYTES = 4 * 1024 * 1024
 _SEGMENT_ENV = "DML_MPI_SEGMENT_BYTES"
+_GPU_AWARE_ENV = "DML_MPI_GPU_AWARE"
 _BOOL = np.dtype(np.bool_)
 _KINDS = {"allreduce": 1, "reduce": 2, "bcast": 3, "allgather": 4, "barrier": 5, "bcast_object": 6}
 _OP_CODES = {op: i for i, op in enumerate(ReduceOp)}
@@ -69,6 +70,9 @@ class MPIBackend(Backend):
         timeout: seconds a collective may wait for the other ranks before the job
             is ended with a report naming the collective and the missing ranks
             (default ``DML_TIMEOUT`` or 300; 0 turns stall detection off).
+        gpu_aware: hand CUDA buffers to MPI directly (CUDA-aware MPI builds only; default
+            ``DML_MPI_GPU_AWARE=1`` or False). Otherwise they are staged through reused
+            pinned host buffers. Either way the current CUDA stream is synchronized first.
         debug: compare a fingerprint of every collective across ranks first and
             raise ``CollectiveMismatchError`` on every rank when they differ
             (default ``DML_DEBUG``; costs one small allgather per collective).
@@ -84,6 +88,7 @@ class MPIBackend(Backend):
         fail_fast: bool = True,
         timeout: float | None = None,
         debug: bool | None = None,
+        gpu_aware: bool | None = None,
     ) -> None:
         timeout = resolve_timeout(timeout)
         self.debug = resolve_debug(debug)
@@ -110,6 +115,9 @@ class MPIBackend(Backend):
             ReduceOp.AVG: MPI.SUM,
         }
         self._in_place = MPI.IN_PLACE
+        if gpu_aware is None:
+            gpu_aware = os.environ.get(_GPU_AWARE_ENV, "").lower() in ("1", "true", "yes", "on")
+        self.takes_device_buffers = bool(gpu_aware)
         self._seq = 0  # collectives started on this backend: the same count on every rank
         self._inflight: tuple | None = None  # (seq, kind, array, op, root, start) while one runs
         if fail_fast:
@@ -245,6 +253,44 @@ class MPIBackend(Backend):
             return self.comm.bcast(obj, root)
         finally:
             self._inflight = None
+
+    def _device_collective(self, kind: str, send: Any, recv: Any, op: ReduceOp | None, root: int) -> None:
+        """CUDA buffers handed to a CUDA-aware MPI, after the current stream is synchronized."""
+        import torch
+
+        stream = torch.cuda.current_stream(recv.device)
+        if op is not None and recv.dtype in (torch.float16, torch.bfloat16):  # MPI has no half reductions
+            work = (recv if send is None else send).float()
+            stream.synchronize()
+            self._device_collective(kind, None, work, op, root)
+            if kind == "allreduce" or self._rank == root:
+                recv.copy_(work)
+            return
+        if recv.dtype == torch.bool:
+            recv = recv.view(torch.uint8)
+            send = None if send is None else send.view(torch.uint8)
+        if kind == "bcast" and send is not None and self._rank == root:
+            recv.copy_(send)
+        stream.synchronize()  # MPI reads device memory directly: producers must be done
+        self._begin(kind, None, op, root)
+        try:
+            if kind == "allgather":
+                self.comm.Allgather(send, recv)
+            elif kind == "bcast":
+                self.comm.Bcast(recv, root)
+            elif kind == "allreduce":
+                self.comm.Allreduce(self._in_place if send is None else send, recv, self._ops[op])
+            else:
+                is_root = self._rank == root
+                if send is None:
+                    s, r = (self._in_place, recv) if is_root else (recv, None)
+                else:
+                    s, r = send, (recv if is_root else None)
+                self.comm.Reduce(s, r, self._ops[op], root)
+        finally:
+            self._inflight = None
+        if op is ReduceOp.AVG and (kind == "allreduce" or self._rank == root):
+            recv.div_(self._size)
 
 
 _hook_lock = threading.Lock()

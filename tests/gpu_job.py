@@ -1,0 +1,114 @@
+"""GPU checks inside an MPI job: ``mpiexec -n N python tests/gpu_job.py BACKEND`` (BACKEND: nccl, staged, aware).
+
+Every op and dtype on CUDA tensors against the same collective on CPU tensors, a
+stream-ordering check (a kernel writes the buffer on a side stream right before the
+collective), and synchronize + DistributedOptimizer on a CUDA model. Rank 0 prints
+``GPU CHECKS PASSED`` at the end. Runs only where a GPU is present.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+
+import distutils_ml as dml
+
+DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.int8,
+]
+OPS = [dml.SUM, dml.PROD, dml.MAX, dml.MIN, dml.AVG]
+
+
+def values(rank: int, dtype: torch.dtype, n: int = 1000) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rank)
+    if dtype.is_floating_point:
+        return (torch.rand(n, generator=g) * 2 + 0.5).to(dtype)
+    return torch.randint(0, 3, (n,), generator=g).to(dtype)
+
+
+def check_every_op_and_dtype(backend: dml.Backend, cpu: dml.Backend) -> int:
+    rank, checked = dml.local_rank(backend), 0
+    for dtype in DTYPES:
+        for op in OPS:
+            if op is dml.AVG and not dtype.is_floating_point:
+                continue
+            x = values(rank, dtype)
+            got = dml.allreduce(backend, x.cuda(), op).cpu()
+            want = dml.allreduce(cpu, x.clone(), op)
+            tol = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-6
+            torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol, msg=f"{op} {dtype}")
+            root = checked % dml.total_workers(backend)
+            r = dml.reduce(backend, x.cuda(), op, root=root).cpu()
+            if rank == root:
+                torch.testing.assert_close(r.double(), want.double(), rtol=tol, atol=tol, msg=f"reduce {op} {dtype}")
+            else:
+                assert torch.equal(r, x), "reduce changed a non-root buffer"
+            checked += 1
+        b = dml.bcast(backend, values(rank, dtype).cuda(), root=0).cpu()
+        assert torch.equal(b, values(0, dtype)), f"bcast {dtype}"
+        out = torch.empty(dml.total_workers(backend), 1000, dtype=dtype, device="cuda")
+        dml.allgather(backend, values(rank, dtype).cuda(), out)
+        for k in range(dml.total_workers(backend)):
+            assert torch.equal(out[k].cpu(), values(k, dtype)), f"allgather {dtype}"
+    return checked
+
+
+def check_stream_ordering(backend: dml.Backend) -> None:
+    """A side stream writes the buffer just before the collective issued on that stream."""
+    side = torch.cuda.Stream()
+    buf = torch.zeros(1 << 22, device="cuda")
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # ~tens of ms of GPU time before the write lands
+        buf.fill_(dml.local_rank(backend) + 1.0)
+        dml.allreduce(backend, buf, dml.SUM)
+    side.synchronize()
+    w = dml.total_workers(backend)
+    assert torch.all(buf == w * (w + 1) / 2), "the collective read the buffer before the producing kernel finished"
+
+
+def check_training(backend: dml.Backend) -> None:
+    torch.manual_seed(dml.local_rank(backend))
+    model = dml.synchronize(
+        backend, torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).cuda()
+    )
+    opt = dml.synchronize(backend, dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters(), lr=1e-2)))
+    for _ in range(5):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(
+            model(torch.randn(16, 8, device="cuda")), torch.zeros(16, 1, device="cuda")
+        ).backward()
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().cpu().numpy()
+    every = np.empty((dml.total_workers(backend), flat.size))
+    dml.allgather(backend, flat, every)
+    assert (every == every[0]).all(), "replicas differ"
+
+
+def main(kind: str) -> None:
+    if kind == "nccl":
+        dml.initialize(dml.NCCLBackend)
+        backend = dml.get_distributed_backend(dml.NCCLBackend)
+    else:
+        dml.initialize(dml.MPIBackend, gpu_aware=kind == "aware")
+        backend = dml.get_distributed_backend(dml.MPIBackend)
+        torch.cuda.set_device(backend.node_local_rank % torch.cuda.device_count())
+    cpu = dml.MPIBackend()
+    n = check_every_op_and_dtype(backend, cpu)
+    check_stream_ordering(backend)
+    check_training(backend)
+    dml.barrier(backend)
+    if dml.local_rank(backend) == 0:
+        print(f"GPU CHECKS PASSED: {kind} on {dml.total_workers(backend)} ranks, {n} op/dtype cases", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
