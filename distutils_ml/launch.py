@@ -11,6 +11,10 @@ on one machine needs, unless the user already said otherwise:
 - ``--bind-to none`` when ranks run more than one thread, since Open MPI binds each
   rank to a single core by default.
 
+Ranks run the script under ``python -m mpi4py``, which aborts the whole job when a rank
+leaves through ``sys.exit(non-zero)`` or Ctrl-C (the library's own hook covers uncaught
+exceptions, but Python gives no hook for ``SystemExit``).
+
 Every other option before the script goes to mpiexec untouched (``--hostfile``, ``-H``,
 ``--map-by``, ``-x``, ...); everything after the script goes to the script.
 ``--dry-run`` prints the command instead of running it.
@@ -59,6 +63,13 @@ _ROOT_OPTIONS = {"--allow-run-as-root", "-allow-run-as-root"}
 _HOST_OPTIONS = {"-H", "--host", "-host", "--hostfile", "-hostfile", "--machinefile", "-machinefile"}
 _PLACEMENT_OPTIONS = {"--bind-to", "-bind-to", "--map-by", "-map-by"}
 _OVERSUBSCRIBE_OPTIONS = {"--oversubscribe", "-oversubscribe"}
+# mpiexec options whose next argument is their value (so a value ending in .py is not the script).
+_VALUE_OPTIONS = {
+    "-x", "--mca", "-mca", "--prtemca", "--pmixmca", "-wdir", "--wdir", "--prefix", "--output-filename",
+    "--tune", "--am", "--rankfile", "--app", *_HOST_OPTIONS, *_PLACEMENT_OPTIONS, "--rank-by", "-rank-by",
+}  # fmt: skip
+# The ranks' runner: mpi4py's, which turns a non-zero SystemExit or Ctrl-C on any rank into MPI_Abort.
+_RUNNER = ("-m", "mpi4py")
 _NOT_OPEN_MPI = ("HYDRA", "MPICH", "Intel(R) MPI")  # Hydra launchers: no such flags, forward the environment
 _MISSING_MPIEXEC = 127
 _SYS_CPU = Path("/sys/devices/system/cpu")
@@ -125,7 +136,8 @@ def parse_args(argv: Sequence[str]) -> LaunchArgs:
         if arg == "--":
             program = args[i + 1 :]
             break
-        if arg == "-m" or (arg.endswith(".py") and not arg.startswith("-")):
+        is_value = i > 0 and args[i - 1] in _VALUE_OPTIONS  # e.g. -x PYTHONSTARTUP=init.py
+        if arg == "-m" or (arg.endswith(".py") and not arg.startswith("-") and "=" not in arg and not is_value):
             program = args[i:]
             break
         if name in (*_RANK_OPTIONS, "--threads-per-rank"):
@@ -203,7 +215,7 @@ def build_command(
     Example:
         >>> args = parse_args(["-n", "4", "train.py"])
         >>> str(build_command(args, mpiexec="mpiexec", python="python", cores=2, environ={}))
-        'mpiexec -n 4 --oversubscribe -x OMP_NUM_THREADS=1 -x MKL_NUM_THREADS=1 python train.py'
+        'mpiexec -n 4 --oversubscribe -x OMP_NUM_THREADS=1 -x MKL_NUM_THREADS=1 python -m mpi4py train.py'
     """
     cores = cores or cpu_cores()
     environ = os.environ if environ is None else environ
@@ -225,7 +237,7 @@ def build_command(
         for name, value in env.items():
             added += ["-x", f"{name}={value}"]
         env = {}
-    argv = [mpiexec, "-n", str(args.ranks), *added, *options, python or sys.executable, *args.program]
+    argv = [mpiexec, "-n", str(args.ranks), *added, *options, python or sys.executable, *_RUNNER, *args.program]
     return Command(argv, env)
 
 

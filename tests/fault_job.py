@@ -4,6 +4,8 @@ Run: ``mpiexec -n 2 python tests/fault_job.py MODE`` where MODE is
 
 - ``sigkill``: rank 1 kills itself with SIGKILL after 3 steps; rank 0 goes on into the
   next step's gradient allreduce, which can never complete;
+- ``sys-exit``: rank 1 calls ``sys.exit(3)`` after 3 steps (no exception hook sees it; the
+  ranks run under ``python -m mpi4py`` as the launcher starts them, which aborts the job);
 - ``worker-error``: a DataLoader worker (``num_workers=1``) raises in ``__getitem__``
   at a sample that only rank 1 holds; rank 0 waits in the allreduce of that step.
 
@@ -66,6 +68,13 @@ def main(mode: str) -> None:
             if rank == 1 and k + 1 == KILL_AFTER:
                 print(f"FAULT AT {time.time():.3f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
+    elif mode == "sys-exit":
+        for k in range(STEPS):
+            step(model, opt, torch.randn(4, 8), torch.randn(4, 1))
+            dml.print(backend, f"step {k} done")
+            if rank == 1 and k + 1 == KILL_AFTER:
+                print(f"FAULT AT {time.time():.3f}", flush=True)
+                sys.exit(3)
     elif mode == "worker-error":
         ddc = dml.DistributedDataContainer(backend, CorruptAt(BAD_SAMPLE))
         loader = torch.utils.data.DataLoader(ddc, batch_size=4, num_workers=1)
@@ -73,7 +82,7 @@ def main(mode: str) -> None:
             step(model, opt, xb, yb)
             dml.print(backend, f"step {k} done")
     else:
-        raise SystemExit(f"unknown mode {mode!r}; allowed: sigkill, worker-error")
+        raise SystemExit(f"unknown mode {mode!r}; allowed: sigkill, sys-exit, worker-error")
     dml.print(backend, "NOT ABORTED")
 
 

@@ -44,14 +44,17 @@ class Job:
     seconds: float
 
 
-def run_mpi(n: int, args: list[str], timeout: float = 240) -> Job:
-    """Run ``mpiexec -n n python args...``; a hang becomes a test failure after ``timeout`` s."""
+def run_mpi(n: int, args: list[str], timeout: float = 240, runner: tuple[str, ...] = ()) -> Job:
+    """Run ``mpiexec -n n python [runner] args...``; a hang becomes a test failure after ``timeout`` s.
+
+    ``runner=("-m", "mpi4py")`` runs the ranks as ``distutils-ml launch`` does.
+    """
     exe = mpiexec()
     assert exe is not None
     cmd = [exe, "-n", str(n)]
     if n > (os.cpu_count() or 1):
         cmd.append("--oversubscribe")
-    cmd += [sys.executable, *args]
+    cmd += [sys.executable, *runner, *args]
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=TESTS.parent

@@ -18,9 +18,9 @@ pytestmark = requires_mpi
 LIMIT_S = 60
 
 
-def run_fault(mode: str) -> tuple[Job, float]:
+def run_fault(mode: str, runner: tuple[str, ...] = ()) -> tuple[Job, float]:
     """Run fault_job.py MODE on 2 ranks; return the job and the seconds from the fault to its end."""
-    job = run_mpi(2, ["tests/fault_job.py", mode], timeout=120)
+    job = run_mpi(2, ["tests/fault_job.py", mode], timeout=120, runner=runner)
     end = time.time()
     found = re.search(r"FAULT AT (\d+\.\d+)", job.output)
     assert found, f"the fault never happened:\n{job.output[-8000:]}"
@@ -50,3 +50,11 @@ def test_dataloader_worker_error_ends_the_job() -> None:
     assert "[rank 1] ValueError: Caught ValueError in DataLoader worker process 0." in job.output, job.output
     assert "[rank 1] ValueError: corrupt sample 21: cannot decode" in job.output, job.output
     assert "MPI_ABORT was invoked on rank 1" in job.output, job.output[-8000:]
+
+
+def test_sys_exit_on_one_rank_ends_the_launched_job() -> None:
+    # No exception hook sees SystemExit; the launcher's runner (python -m mpi4py) aborts the world.
+    job, after_fault = run_fault("sys-exit", runner=("-m", "mpi4py"))
+    assert job.returncode != 0, job.output[-8000:]
+    assert job.seconds < LIMIT_S and after_fault < LIMIT_S, f"took {job.seconds:.1f} s ({after_fault:.1f} s after)"
+    assert "NOT ABORTED" not in job.output and "step 3 done" not in job.output, job.output[-8000:]

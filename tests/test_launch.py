@@ -52,7 +52,7 @@ def dry_run(capsys: pytest.CaptureFixture[str], argv: list[str], **kwargs: str) 
 
 def test_plain_run_gets_threads_and_the_same_interpreter() -> None:
     threads = ["-x", "OMP_NUM_THREADS=4", "-x", "MKL_NUM_THREADS=4"]
-    expected = ["mpiexec", "-n", "2", "--bind-to", "none", *threads, "py", "train.py"]
+    expected = ["mpiexec", "-n", "2", "--bind-to", "none", *threads, "py", "-m", "mpi4py", "train.py"]
     assert build(["launch", "-n", "2", "train.py"]) == expected
 
 
@@ -104,16 +104,22 @@ def test_mpiexec_options_and_script_args_pass_through() -> None:
     script = ["train.py", "-n", "5", "--dry-run", "--threads-per-rank", "9", "--", "x.py"]
     argv = build(["launch", *options[:4], "-np", "4", *options[4:], "--threads-per-rank", "1", *script])
     assert argv[:3] == ["mpiexec", "-n", "4"]
-    assert argv[-len(script) - 1 :] == ["py", *script]
+    assert argv[-len(script) - 3 :] == ["py", "-m", "mpi4py", *script]
     assert argv[argv.index("--hostfile") : argv.index("py")] == options
     assert "--oversubscribe" not in argv and "--bind-to" not in argv
+
+
+def test_option_values_ending_in_py_are_not_the_script() -> None:
+    argv = build(["-n", "2", "-x", "PYTHONSTARTUP=init.py", "--hostfile", "hosts.py", "train.py", "a.py"])
+    assert argv[argv.index("py") :] == ["py", "-m", "mpi4py", "train.py", "a.py"]
+    assert argv[argv.index("PYTHONSTARTUP=init.py") - 1] == "-x" and "hosts.py" in argv
 
 
 def test_module_and_double_dash_programs() -> None:
     module = ["-m", "pkg.train", "--epochs", "3", "-n", "1"]
     argv = build(["-n", "2", "--threads-per-rank", "1", *module])
-    assert argv[argv.index("py") :] == ["py", *module]
-    assert build(["-n", "2", "--", "train", "a.py"])[-3:] == ["py", "train", "a.py"]
+    assert argv[argv.index("py") :] == ["py", "-m", "mpi4py", *module]
+    assert build(["-n", "2", "--", "train", "a.py"])[-5:] == ["py", "-m", "mpi4py", "train", "a.py"]
 
 
 @pytest.mark.parametrize(
@@ -147,7 +153,17 @@ def test_dry_run_prints_the_command_with_this_environments_mpiexec(capsys: pytes
     argv = dry_run(capsys, ["-n", str(ranks), "--mca", "btl", "^ofi", "train.py", "--lr", "0.1"])
     assert argv[0] == find_mpiexec() == str(Path(sys.executable).parent / "mpiexec")
     assert argv[1:4] == ["-n", str(ranks), "--oversubscribe"]
-    assert argv[argv.index("--mca") :] == ["--mca", "btl", "^ofi", sys.executable, "train.py", "--lr", "0.1"]
+    assert argv[argv.index("--mca") :] == [
+        "--mca",
+        "btl",
+        "^ofi",
+        sys.executable,
+        "-m",
+        "mpi4py",
+        "train.py",
+        "--lr",
+        "0.1",
+    ]
     assert "OMP_NUM_THREADS=1" in argv
 
 
@@ -157,7 +173,7 @@ def test_hydra_mpiexec_gets_no_open_mpi_flags(capsys: pytest.CaptureFixture[str]
     fake.chmod(0o755)
     argv = dry_run(capsys, ["-n", "64", "train.py"], python=str(tmp_path / "python"))
     python = str(tmp_path / "python")
-    assert argv == ["OMP_NUM_THREADS=1", "MKL_NUM_THREADS=1", str(fake), "-n", "64", python, "train.py"]
+    assert argv == ["OMP_NUM_THREADS=1", "MKL_NUM_THREADS=1", str(fake), "-n", "64", python, "-m", "mpi4py", "train.py"]
 
 
 # --- refusals ---------------------------------------------------------------------
