@@ -2,17 +2,22 @@
 
 How gradients travel (chosen by measurement on CPU, see docs/benchmarks): a gradient
 of at least ``bucket_bytes`` is reduced in place, zero-copy (the backend cuts it into
-cache-sized segments); smaller gradients are copied into one flat bucket per dtype,
-reduced in one collective and copied back. The bucket also carries one flag per
-parameter telling which ranks have a gradient, so a parameter whose ``.grad`` is None
-on some ranks counts as zeros there (no rank ever waits for a collective the others
-skip) and one whose ``.grad`` is None on every rank stays None. Extra memory: the
-small gradients' bucket, at most one gradient-sized buffer.
+cache-sized segments); smaller gradients live in one flat bucket per dtype and device,
+reduced in one collective. After a reduction each small parameter's ``.grad`` *is* its
+slice of the bucket (as with DDP's ``gradient_as_bucket_view``): when gradients are kept
+between steps (``zero_grad(set_to_none=False)``, accumulation) backward adds into the
+bucket and nothing is copied; a fresh gradient is copied in once and replaced by its
+slice, never copied back. The bucket also carries one flag per parameter telling which
+ranks have a gradient, so a parameter whose ``.grad`` is None on some ranks counts as
+zeros there (no rank ever waits for a collective the others skip) and one whose
+``.grad`` is None on every rank stays None. Extra memory: the small gradients' bucket,
+at most one gradient-sized buffer (the gradients it replaces are freed).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -46,9 +51,10 @@ class _GradientReducer:
         # Flags count ranks holding a gradient: SUM/AVG/MAX keep "somebody has one" > 0.
         self._flags_op = ReduceOp.MAX if self.op in (ReduceOp.PROD, ReduceOp.MIN) else self.op
         self._plan_key: tuple | None = None
-        self._small: list[int] = []
         self._large: list[int] = []
         self._buckets: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        # (parameter index, its flat slice of a bucket, that slice shaped like the parameter)
+        self._slots: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
     def _plan(self, params: list[torch.Tensor]) -> None:
         key = tuple((id(p), p.dtype, p.shape) for p in params)
@@ -59,21 +65,28 @@ class _GradientReducer:
                 raise TypeError("DistributedOptimizer: sparse parameters are not supported; use dense tensors")
             if not p.dtype.is_floating_point:
                 raise TypeError(f"DistributedOptimizer: parameter of dtype {p.dtype}; gradients must be floating point")
-        self._small = [
+        small = [
             i
             for i, p in enumerate(params)
             if p.numel() * p.element_size() < self.bucket_bytes
             or (self.comm_dtype is not None and p.dtype != self.comm_dtype)
         ]
-        self._large = [i for i in range(len(params)) if i not in set(self._small)]
+        self._large = sorted(set(range(len(params))) - set(small))
         # One bucket per wire dtype and device; the flags head the first parameter's device's bucket.
-        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
-        for i in self._small:
+        flag_key = (self.comm_dtype or torch.float32, params[0].device if params else torch.device("cpu"))
+        sizes: dict[tuple[torch.dtype, torch.device], int] = {flag_key: len(params)}
+        for i in small:
             d = self._wire_dtype(params[i])
             sizes[d] = sizes.get(d, 0) + params[i].numel()
-        flag_key = (self.comm_dtype or torch.float32, params[0].device if params else torch.device("cpu"))
-        sizes[flag_key] = sizes.get(flag_key, 0) + len(params)
         self._buckets = {k: torch.zeros(n, dtype=k[0], device=k[1]) for k, n in sizes.items()}
+        offsets = dict.fromkeys(sizes, 0)
+        offsets[flag_key] = len(params)
+        self._slots = []
+        for i in small:
+            d, k = self._wire_dtype(params[i]), params[i].numel()
+            flat = self._buckets[d][offsets[d] : offsets[d] + k]
+            offsets[d] += k
+            self._slots.append((i, flat, flat.view(params[i].shape)))
         self._flag_key = flag_key
         self._plan_key = key
 
@@ -86,22 +99,14 @@ class _GradientReducer:
         self._plan(params)
         n = len(params)
         # Flags first, at the head of the flag dtype's bucket: 1 where this rank has a gradient.
-        offsets = dict.fromkeys(self._buckets, 0)
         flags = self._buckets[self._flag_key][:n]
         flags.copy_(torch.tensor([p.grad is not None for p in params], dtype=self._flag_key[0]))
-        offsets[self._flag_key] = n
-        slots: list[tuple[int, torch.Tensor]] = []
-        for i in self._small:
-            p = params[i]
-            d = self._wire_dtype(p)
-            k = p.numel()
-            view = self._buckets[d][offsets[d] : offsets[d] + k]
-            offsets[d] += k
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(p.grad.reshape(-1))
-            slots.append((i, view))
+        for i, flat, _ in self._slots:
+            g = params[i].grad
+            if g is None:
+                flat.zero_()
+            elif not _is_slice(g, flat):  # a fresh gradient: copy it in once
+                flat.copy_(g.reshape(-1))
         for d, bucket in self._buckets.items():
             if d == self._flag_key and self._flags_op is not self.op:
                 allreduce(self.backend, bucket[:n], self._flags_op)
@@ -110,14 +115,17 @@ class _GradientReducer:
             else:
                 allreduce(self.backend, bucket, self.op)
         somebody = (flags > 0).tolist()
-        for i, view in slots:
+        for i, flat, shaped in self._slots:
             p = params[i]
             if not somebody[i]:
                 continue
-            if p.grad is None:
-                p.grad = view.view(p.shape).to(p.dtype, copy=True)
-            else:
-                p.grad.copy_(view.view(p.shape))
+            if shaped.dtype != p.dtype:  # compressed on the wire: cast back
+                if p.grad is None:
+                    p.grad = shaped.to(p.dtype, copy=True)
+                else:
+                    p.grad.copy_(shaped)
+            elif p.grad is None or not _is_slice(p.grad, flat):
+                p.grad = shaped  # from now on backward accumulates straight into the bucket
         for i in self._large:
             p = params[i]
             if not somebody[i]:
@@ -129,6 +137,11 @@ class _GradientReducer:
                 allreduce(self.backend, g, self.op)
             else:
                 g.copy_(allreduce(self.backend, g.contiguous(), self.op))
+
+
+def _is_slice(grad: torch.Tensor, flat: torch.Tensor) -> bool:
+    """Whether ``grad`` is already the bucket slice ``flat`` (then nothing needs copying)."""
+    return grad.data_ptr() == flat.data_ptr() and grad.dtype == flat.dtype and grad.is_contiguous()
 
 
 def _params_of(module_or_params: torch.nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -214,9 +227,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self._synchronized = False
         self._no_sync = False
-        # Hook tables of torch.optim.Optimizer, so its register_* methods work on the wrapper.
-        self._optimizer_step_pre_hooks: dict[int, Callable] = {}
-        self._optimizer_step_post_hooks: dict[int, Callable] = {}
+        # Hook tables of torch.optim.Optimizer, so register_step_pre_hook / register_step_post_hook
+        # work on the wrapper (its state_dict hooks are forwarded to the wrapped optimizer, below).
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable] = OrderedDict()
 
     @property
     def backend(self) -> Backend:
@@ -256,6 +270,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load into the wrapped optimizer."""
         self.optimizer.load_state_dict(state_dict)
+
+    def register_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> Any:
+        """Register on the wrapped optimizer, whose ``state_dict`` this one returns."""
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> Any:
+        """Register on the wrapped optimizer, whose ``state_dict`` this one returns."""
+        return self.optimizer.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> Any:
+        """Register on the wrapped optimizer, into which ``load_state_dict`` loads."""
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> Any:
+        """Register on the wrapped optimizer, into which ``load_state_dict`` loads."""
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group to the wrapped optimizer (every rank must add the same)."""

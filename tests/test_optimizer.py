@@ -102,3 +102,44 @@ def test_bad_arguments(kwargs: dict, exc: type, fragment: str) -> None:
 def test_backend_first() -> None:
     with pytest.raises(TypeError, match="first argument must be a backend"):
         dml.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1), dml.LocalBackend())
+
+
+def test_small_gradients_become_bucket_views_and_are_not_copied_again() -> None:
+    def fn(b: dml.Backend) -> list[int]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Tanh(), torch.nn.Linear(300, 4))
+        big, small = [model[0].weight], [model[0].bias, model[2].weight, model[2].bias]
+        opt = dml.DistributedOptimizer(b, torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=64 * 1024)
+        ptrs = []
+        for step in range(3):
+            opt.zero_grad(set_to_none=step == 0)  # fresh gradients first, then kept ones
+            model(torch.randn(8, 64)).sum().backward()
+            opt.step()
+            ptrs.append([p.grad.data_ptr() for p in small + big])
+        storage = {p.grad.untyped_storage().data_ptr() for p in small}
+        assert len(storage) == 1, "small gradients share one bucket"
+        assert big[0].grad.untyped_storage().data_ptr() not in storage, "large gradients stay in place"
+        assert ptrs[0] == ptrs[1] == ptrs[2], "kept gradients are reduced where they are, never re-copied"
+        bucket_bytes = sum(t.numel() * t.element_size() for t in opt._reducer._buckets.values())
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert bucket_bytes <= param_bytes + 4 * len(small + big), "at most one gradient-sized extra buffer"
+        return [round(float(p.grad.abs().sum()) * 1e4) for p in small + big]
+
+    out = dml.LocalBackend.spawn(2, fn)
+    assert out[0] == out[1]
+
+
+def test_step_and_state_dict_hooks_work_on_the_wrapper() -> None:
+    model = make_model(0, bn=False)
+    opt = dml.DistributedOptimizer(dml.LocalBackend(), torch.optim.SGD(model.parameters(), lr=0.1))
+    calls: list[str] = []
+    pre = opt.register_step_pre_hook(lambda o, a, k: calls.append(f"pre {o is opt}"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append(f"post {o is opt}"))
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append("state_dict") or sd)
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load"))
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    pre.remove()
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
+    assert calls == ["pre True", "post True", "post True", "state_dict", "load"]
