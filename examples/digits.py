@@ -67,8 +67,8 @@ def train(backend: dml.Backend, epochs: int = 30, batch: int = 32, checkpoint: s
             bar.set_postfix(test_accuracy=f"{acc:.3f}")
             dml.print(backend, f"epoch {epoch + 1:3d}  test accuracy {acc:.4f}", all_ranks=False)
     acc = evaluate(backend, model, test_set)
-    if rank == 0:
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epochs": epochs}, checkpoint)
+    # Written by rank 0 alone, atomically; live objects are saved as their state_dict().
+    dml.save(backend, {"model": model, "optimizer": opt, "data": data, "epochs": epochs}, checkpoint)
     return acc
 
 
