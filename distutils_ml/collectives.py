@@ -11,6 +11,7 @@ import operator
 from typing import Any, TypeVar, overload
 
 import numpy as np
+import torch
 
 from distutils_ml.arrays import (
     HALF_DTYPES,
@@ -36,6 +37,8 @@ _SUM, _AVG = ReduceOp.SUM, ReduceOp.AVG
 
 def _check_root(backend: Backend, root: Any) -> int:
     try:
+        if isinstance(root, bool):
+            raise TypeError
         r = operator.index(root)
     except TypeError:
         raise TypeError(f"root: got {root!r}; allowed: an int in 0..{backend.size - 1}") from None
@@ -241,9 +244,26 @@ def _on_device(  # noqa: PLR0917 - private; mirrors the public collectives' argu
 ) -> Any:
     """A collective on CUDA buffers: the backend's device path (NCCL, CUDA-aware MPI), or staged through host memory.
 
-    Work is ordered after everything queued on torch's current CUDA stream: copies and
-    NCCL calls run on it, and MPI only touches memory after it is synchronized.
+    Work is ordered after everything queued on the producer's current CUDA stream (torch's
+    for tensors, CuPy's for CuPy arrays, so the caller's later work on it sees the result):
+    copies and NCCL calls run on it, and MPI only touches memory after it is synchronized.
     """
+    out = sendbuf if recvbuf is None else recvbuf
+    if isinstance(out, torch.Tensor):
+        return _on_stream(kind, backend, sendbuf, recvbuf, op, root)
+    import cupy  # a CUDA array that is not a tensor: CuPy's (or another library's) array
+
+    device = torch.device("cuda", cupy.cuda.Device().id)
+    ptr = cupy.cuda.get_current_stream().ptr
+    stream = torch.cuda.default_stream(device) if ptr == 0 else torch.cuda.ExternalStream(ptr, device=device)
+    with torch.cuda.stream(stream):
+        return _on_stream(kind, backend, sendbuf, recvbuf, op, root)
+
+
+def _on_stream(  # noqa: PLR0917 - private; mirrors the public collectives' arguments
+    kind: str, backend: Backend, sendbuf: Any, recvbuf: Any, op: ReduceOp | None, root: int
+) -> Any:
+    """``_on_device`` on torch's current stream."""
     out = sendbuf if recvbuf is None else recvbuf
     rname = "buf" if recvbuf is None else "recvbuf"
     recv = cuda_tensor(out, rname)

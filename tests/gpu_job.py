@@ -63,16 +63,43 @@ def check_every_op_and_dtype(backend: dml.Backend, cpu: dml.Backend) -> int:
 
 
 def check_stream_ordering(backend: dml.Backend) -> None:
-    """A side stream writes the buffer just before the collective issued on that stream."""
+    """A side stream writes the buffers just before the collectives issued on that stream.
+
+    The two-buffer form copies sendbuf into recvbuf even in a world of one, so a collective
+    that ran before the producing kernel finished leaves zeros behind on any world size.
+    """
     side = torch.cuda.Stream()
-    buf = torch.zeros(1 << 22, device="cuda")
+    w = dml.total_workers(backend)
+    buf, send, recv = (torch.zeros(1 << 22, device="cuda") for _ in range(3))
     with torch.cuda.stream(side):
         torch.cuda._sleep(50_000_000)  # ~tens of ms of GPU time before the write lands
         buf.fill_(dml.local_rank(backend) + 1.0)
         dml.allreduce(backend, buf, dml.SUM)
+        torch.cuda._sleep(50_000_000)
+        send.fill_(dml.local_rank(backend) + 1.0)
+        dml.allreduce(backend, send, recv, dml.SUM)
     side.synchronize()
-    w = dml.total_workers(backend)
     assert torch.all(buf == w * (w + 1) / 2), "the collective read the buffer before the producing kernel finished"
+    assert torch.all(recv == w * (w + 1) / 2), "the two-buffer collective ran before the producing kernel finished"
+
+
+def check_cupy(backend: dml.Backend) -> bool:
+    """CuPy arrays, on a non-default CuPy stream: the result is ordered before CuPy's later work."""
+    try:
+        import cupy
+    except ImportError:
+        return False
+    w, rank = dml.total_workers(backend), dml.local_rank(backend)
+    with cupy.cuda.Stream(non_blocking=True):
+        x = cupy.full(1 << 20, rank + 1, dtype=cupy.float32)
+        dml.allreduce(backend, x, dml.SUM)
+        total = float(x.sum())  # CuPy work on the same stream, after the collective
+        out = cupy.empty((w, 3), dtype=cupy.int32)
+        dml.allgather(backend, cupy.full(3, rank, dtype=cupy.int32), out)
+        gathered = out.get()
+    assert total == (1 << 20) * w * (w + 1) / 2, total
+    assert (gathered == np.arange(w)[:, None]).all(), gathered
+    return True
 
 
 def check_training(backend: dml.Backend) -> None:
@@ -104,10 +131,12 @@ def main(kind: str) -> None:
     cpu = dml.MPIBackend()
     n = check_every_op_and_dtype(backend, cpu)
     check_stream_ordering(backend)
+    cupy_checked = check_cupy(backend)
     check_training(backend)
     dml.barrier(backend)
     if dml.local_rank(backend) == 0:
-        print(f"GPU CHECKS PASSED: {kind} on {dml.total_workers(backend)} ranks, {n} op/dtype cases", flush=True)
+        what = f"{n} op/dtype cases, CuPy arrays {'checked' if cupy_checked else 'skipped (no CuPy)'}"
+        print(f"GPU CHECKS PASSED: {kind} on {dml.total_workers(backend)} ranks, {what}", flush=True)
 
 
 if __name__ == "__main__":

@@ -60,5 +60,28 @@ def test_mpi_staged_cuda_buffers(ranks: int) -> None:
 @requires_mpi
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_nccl_backend(ranks: int) -> None:
+    if ranks > torch.cuda.device_count():
+        pytest.skip(f"NCCL needs one GPU per rank: {ranks} ranks, {torch.cuda.device_count()} GPU(s)")
     job = run_mpi(ranks, ["tests/gpu_job.py", "nccl"], timeout=300)
     assert job.returncode == 0 and "GPU CHECKS PASSED" in job.output, job.output[-6000:]
+
+
+def test_device_choice_errors_are_clear_before_any_gpu_work() -> None:
+    from distutils_ml.backends.nccl import _pick_device
+
+    assert _pick_device(False, 0, 1, 0) is None  # leave devices alone
+    with pytest.raises(TypeError, match="cuda_devices: got '0'"):
+        _pick_device("0", 0, 1, 0)
+    if torch.version.cuda is None:
+        with pytest.raises(RuntimeError, match="CPU-only build"):
+            _pick_device(None, 0, 1, 0)
+    elif not HAVE_GPU:
+        with pytest.raises(RuntimeError, match="sees no CUDA device"):
+            _pick_device(None, 0, 1, 0)
+    else:
+        n = torch.cuda.device_count()
+        assert _pick_device(None, n - 1, n, 0) == n - 1
+        with pytest.raises(RuntimeError, match="one GPU per process"):
+            _pick_device(None, 0, n + 1, 0)
+        with pytest.raises(ValueError, match="one device per process"):
+            _pick_device([0], 1, 2, 1)

@@ -47,3 +47,19 @@ def test_non_backend_type_is_a_type_error(bad) -> None:
 def test_rank_queries_want_an_instance(fn) -> None:
     with pytest.raises(TypeError, match="the class LocalBackend"):
         fn(dml.LocalBackend)
+
+
+def test_a_backend_may_initialize_another_while_it_is_built() -> None:
+    # NCCLBackend's constructor initializes MPIBackend: initialize must be re-entrant.
+    class Inner(dml.LocalBackend):
+        pass
+
+    class Outer(dml.LocalBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            dml.initialize(Inner)
+            self.inner = dml.get_distributed_backend(Inner)
+
+    dml.initialize(Outer)
+    assert dml.initialized(Inner)
+    assert dml.get_distributed_backend(Outer).inner is dml.get_distributed_backend(Inner)

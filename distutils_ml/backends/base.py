@@ -34,12 +34,6 @@ class ReduceOp(enum.Enum):
     # Enum's default hashes the name in Python, which costs on every collective).
     __hash__ = object.__hash__
 
-    def _device_collective(
-        self, kind: str, send: Any, recv: Any, op: ReduceOp | None, root: int
-    ) -> None:  # pragma: no cover - only backends with takes_device_buffers are called
-        """Run collective ``kind`` on contiguous CUDA tensors (``send`` None: in place), on the current stream."""
-        raise NotImplementedError(f"{type(self).__name__} does not take CUDA buffers")
-
     def __repr__(self) -> str:
         return f"dml.{self.name}"
 

@@ -38,6 +38,7 @@ _NCCL_DTYPES = {
 }
 _NCCL_OPS = {ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3, ReduceOp.AVG: 4}
 _NCCL_AVG_VERSION = 21000
+_MAX_BCAST_COUNT = 2**31 - 1
 
 
 def _import_nccl() -> Any:
@@ -57,10 +58,17 @@ def _import_nccl() -> Any:
     return nccl
 
 
-def _pick_device(cuda_devices: Any, node_local_rank: int, rank: int) -> int | None:
+def _pick_device(cuda_devices: Any, node_local_rank: int, node_size: int, rank: int) -> int | None:
     """The GPU this process uses: ``node_local_rank % n_gpus``, a list entry, or None (leave alone)."""
     if cuda_devices is False:
         return None
+    if not (cuda_devices is None or isinstance(cuda_devices, (list, tuple))):
+        raise TypeError(f"cuda_devices: got {cuda_devices!r}; allowed: None, a list of device indices, or False")
+    if torch.version.cuda is None:
+        raise RuntimeError(
+            f"NCCLBackend: this torch ({torch.__version__}) is a CPU-only build; install a CUDA build of torch "
+            "on the GPU machine, or use dml.MPIBackend"
+        )
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n == 0:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
@@ -69,15 +77,24 @@ def _pick_device(cuda_devices: Any, node_local_rank: int, rank: int) -> int | No
             "NCCL needs a GPU per process: run on a GPU machine, or use dml.MPIBackend"
         )
     if cuda_devices is None:
-        return node_local_rank % n
-    if isinstance(cuda_devices, (list, tuple)):
-        if node_local_rank >= len(cuda_devices):
-            raise ValueError(
-                f"cuda_devices: got {list(cuda_devices)} for node-local rank {node_local_rank}; "
-                "give one device per process of the node"
+        if node_size > n:
+            raise RuntimeError(
+                f"NCCLBackend: {node_size} processes on this node but {n} GPU(s) visible; NCCL needs one GPU per "
+                f"process (two ranks on one GPU fail with 'Duplicate GPU detected'): start at most {n} processes "
+                "per node, or use dml.MPIBackend (it stages CUDA buffers through host memory)"
             )
-        return int(cuda_devices[node_local_rank])
-    raise TypeError(f"cuda_devices: got {cuda_devices!r}; allowed: None, a list of device indices, or False")
+        return node_local_rank % n  # == node_local_rank here: the contract's rule
+    if node_local_rank >= len(cuda_devices):
+        raise ValueError(
+            f"cuda_devices: got {list(cuda_devices)} for node-local rank {node_local_rank}; "
+            "give one device per process of the node"
+        )
+    device = int(cuda_devices[node_local_rank])
+    if not 0 <= device < n:
+        raise ValueError(
+            f"cuda_devices: device {device} for node-local rank {node_local_rank}; this node has 0..{n - 1}"
+        )
+    return device
 
 
 class NCCLBackend(Backend):
@@ -102,7 +119,7 @@ class NCCLBackend(Backend):
             initialize(MPIBackend, **mpi_options)
             mpi_backend = get_distributed_backend(MPIBackend)
         self.mpi = mpi_backend
-        self.device = _pick_device(cuda_devices, mpi_backend.node_local_rank, mpi_backend.rank)
+        self.device = _pick_device(cuda_devices, mpi_backend.node_local_rank, mpi_backend.node_size, mpi_backend.rank)
         if self.device is not None:
             torch.cuda.set_device(self.device)
             import cupy
@@ -165,7 +182,11 @@ class NCCLBackend(Backend):
         if kind == "bcast":
             if send is not None and self.rank == root:
                 recv.copy_(send)
-            comm.bcast(rptr, count, dtype, root, stream)
+            # CuPy's bcast takes a C int count: send larger buffers (fused model broadcasts) in pieces.
+            step = _MAX_BCAST_COUNT - _MAX_BCAST_COUNT % 16
+            for start in range(0, count, step):
+                n = min(step, count - start)
+                comm.bcast(rptr + start * (recv.element_size() // scale), n, dtype, root, stream)
             return
         assert op is not None
         avg_native = op is not ReduceOp.AVG or self.nccl_version >= _NCCL_AVG_VERSION
