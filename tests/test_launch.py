@@ -51,7 +51,7 @@ def dry_run(capsys: pytest.CaptureFixture[str], argv: list[str], **kwargs: str) 
 
 
 def test_plain_run_gets_threads_and_the_same_interpreter() -> None:
-    threads = ["-x", "OMP_NUM_THREADS=4", "-x", "MKL_NUM_THREADS=4"]
+    threads = ["-x", "OMP_NUM_THREADS=4", "-x", "MKL_NUM_THREADS=4", "-x", "THP_MEM_ALLOC_ENABLE=1"]
     expected = ["mpiexec", "-n", "2", "--bind-to", "none", *threads, "py", "-m", "mpi4py", "train.py"]
     assert build(["launch", "-n", "2", "train.py"]) == expected
 
@@ -82,13 +82,13 @@ def test_threads_per_rank_and_binding() -> None:
 
 def test_users_omp_num_threads_is_left_alone() -> None:
     argv = build(["-n", "2", "train.py"], environ={"OMP_NUM_THREADS": "3"})
-    assert "-x" not in argv and argv[3:5] == ["--bind-to", "none"]
+    assert argv.count("-x") == 1 and "OMP_NUM_THREADS=3" not in argv and argv[3:5] == ["--bind-to", "none"]
     argv = build(["-n", "2", "train.py"], environ={"OMP_NUM_THREADS": "1"})
-    assert "-x" not in argv and "--bind-to" not in argv
+    assert argv.count("-x") == 1 and "--bind-to" not in argv  # -x THP_MEM_ALLOC_ENABLE=1 alone
     argv = build(["-n", "2", "-x", "OMP_NUM_THREADS=1", "train.py"])
-    assert argv.count("-x") == 1 and "--bind-to" not in argv
+    assert argv.count("-x") == 2 and "--bind-to" not in argv  # the user's, and THP_MEM_ALLOC_ENABLE
     argv = build(["-n", "2", "-x", "OMP_NUM_THREADS", "train.py"], environ={"OMP_NUM_THREADS": "2,1"})
-    assert argv.count("-x") == 1 and argv[3:5] == ["--bind-to", "none"]
+    assert argv.count("-x") == 2 and argv[3:5] == ["--bind-to", "none"]
 
 
 def test_explicit_threads_per_rank_beats_the_users_omp_num_threads() -> None:
@@ -107,6 +107,13 @@ def test_mpiexec_options_and_script_args_pass_through() -> None:
     assert argv[-len(script) - 3 :] == ["py", "-m", "mpi4py", *script]
     assert argv[argv.index("--hostfile") : argv.index("py")] == options
     assert "--oversubscribe" not in argv and "--bind-to" not in argv
+
+
+def test_huge_pages_for_torch_unless_the_user_chose() -> None:
+    assert "THP_MEM_ALLOC_ENABLE=1" in build(["-n", "2", "train.py"])
+    assert "THP_MEM_ALLOC_ENABLE=1" not in build(["-n", "2", "train.py"], environ={"THP_MEM_ALLOC_ENABLE": "0"})
+    argv = build(["-n", "2", "-x", "THP_MEM_ALLOC_ENABLE=0", "train.py"])
+    assert argv.count("-x") == 3 and "THP_MEM_ALLOC_ENABLE=0" in argv
 
 
 def test_option_values_ending_in_py_are_not_the_script() -> None:
@@ -173,7 +180,8 @@ def test_hydra_mpiexec_gets_no_open_mpi_flags(capsys: pytest.CaptureFixture[str]
     fake.chmod(0o755)
     argv = dry_run(capsys, ["-n", "64", "train.py"], python=str(tmp_path / "python"))
     python = str(tmp_path / "python")
-    assert argv == ["OMP_NUM_THREADS=1", "MKL_NUM_THREADS=1", str(fake), "-n", "64", python, "-m", "mpi4py", "train.py"]
+    env = ["OMP_NUM_THREADS=1", "MKL_NUM_THREADS=1", "THP_MEM_ALLOC_ENABLE=1"]
+    assert argv == [*env, str(fake), "-n", "64", python, "-m", "mpi4py", "train.py"]
 
 
 # --- refusals ---------------------------------------------------------------------
