@@ -6,6 +6,15 @@ device. Every other leaf (numbers, strings, None, any picklable object) comes ba
 as root's value, all in one object broadcast. Containers (dict, list, tuple,
 namedtuple, dataclass) are rebuilt with the same types; ``torch.nn.Module`` and
 ``torch.optim.Optimizer`` are synchronized in place and returned.
+
+Every rank describes its tree (container types, dict keys, lengths, dataclass
+fields, parameter names, array shapes / dtypes / device types) and compares it with
+root's before any array is sent; a difference raises on every rank, naming it.
+
+The walker is our own rather than ``torch.utils._pytree`` (private; optree is not a
+dependency): pytree treats dataclasses and dict / list subclasses as leaves unless
+registered process-wide, has no "a plain subtree is one value" rule, and its
+TreeSpec equality cannot name the first difference.
 """
 
 from __future__ import annotations
@@ -13,7 +22,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pickle
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from enum import Enum
 from typing import Any, TypeVar
 
 import numpy as np
@@ -27,46 +38,115 @@ __all__ = ["synchronize"]
 
 T = TypeVar("T")
 Rebuild = Callable[[Iterator[Any]], Any]
+Node = tuple[Any, ...]  # what must agree across ranks about one container or leaf
+_PLAIN_KEYS = (str, int, float, bytes, Enum, type(None))
 
 
 def _is_array(x: Any) -> bool:
     return isinstance(x, (torch.Tensor, np.ndarray))
 
 
-def _flatten(x: Any, leaves: list[Any]) -> Rebuild:
-    """Append ``x``'s leaves to ``leaves``; return a function rebuilding ``x`` from new leaf values."""
-    if _is_array(x):
-        leaves.append(x)
-        return lambda it: (next(it), x)[1]  # arrays are synchronized in place
-    if isinstance(x, torch.nn.Module):
-        for t in _module_tensors(x):
-            leaves.append(t)
+class _Flat:
+    """``x``'s leaves and structure in one depth-first order, and how to rebuild ``x``.
+
+    ``nodes`` holds ``(path, description)`` for every container and leaf; two ranks
+    hold the same structure exactly when their descriptions are equal, and the first
+    unequal pair names the first difference (the paths agree up to it).
+    ``states`` maps ``id(optimizer)`` to the per-parameter state to use instead of
+    the optimizer's own (the entries matched to root's, not yet installed).
+    """
+
+    def __init__(self, x: Any, states: dict[int, list[dict[str, Any]]]) -> None:
+        self.leaves: list[Any] = []
+        self.leaf_paths: list[str] = []
+        self.nodes: list[tuple[str, Node]] = []
+        self._states = states
+        self.rebuild = self._walk(x, "x")
+
+    def _leaf(self, x: Any, path: str) -> None:
+        self.leaves.append(x)
+        self.leaf_paths.append(path)
+        self.nodes.append((path, _describe(x)))
+
+    def _walk(self, x: Any, path: str) -> Rebuild:
+        """Append ``x``'s leaves and nodes; return a function rebuilding ``x`` from new leaf values."""
+        if _is_array(x):
+            self._leaf(x, path)
+            return lambda it: (next(it), x)[1]  # arrays are synchronized in place
+        if isinstance(x, torch.nn.Module):
+            return self._module(x, path)
+        if isinstance(x, torch.optim.Optimizer):
+            return self._optimizer(x, path)
+        if not _holds_arrays(x):  # a plain subtree is one value: root's replaces it whole
+            self._leaf(x, path)
+            return next
+        if isinstance(x, dict):
+            return self._dict(x, path)
+        if isinstance(x, (list, tuple)):
+            return self._sequence(x, path)
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            return self._dataclass(x, path)
+        self._leaf(x, path)
+        return next
+
+    def _module(self, m: torch.nn.Module, path: str) -> Rebuild:
+        named = [*((n, p.data) for n, p in m.named_parameters()), *m.named_buffers()]
+        self.nodes.append((path, ("module", _type_name(m), tuple(n for n, _ in named))))
+        for n, t in named:
+            self._leaf(t, f"{path}.{n}")
 
         def rebuild_module(it: Iterator[Any]) -> Any:
-            for _ in _module_tensors(x):
+            for _ in named:
                 next(it)
-            return x
+            return m
 
         return rebuild_module
-    if isinstance(x, torch.optim.Optimizer):
-        inner = _flatten(_optimizer_tree(x), leaves)
-        return lambda it: _apply_optimizer_tree(x, inner(it))
-    if not _holds_arrays(x):  # a plain subtree is one value: root's replaces it whole
-        leaves.append(x)
-        return next
-    if isinstance(x, dict):
+
+    def _optimizer(self, opt: torch.optim.Optimizer, path: str) -> Rebuild:
+        self.nodes.append((path, ("optimizer", _type_name(opt), tuple(len(g["params"]) for g in opt.param_groups))))
+        hyper = self._walk(
+            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups], f"{path}.param_groups"
+        )
+        if id(opt) in self._states:
+            states = self._states[id(opt)]
+        else:
+            states = [dict(opt.state.get(p, {})) for p in _params(opt)]
+        state = self._walk(states, f"{path}.state")
+
+        def rebuild_optimizer(it: Iterator[Any]) -> Any:
+            for group, values in zip(opt.param_groups, hyper(it), strict=True):
+                group.update(values)
+            for p, values in zip(_params(opt), state(it), strict=True):
+                if values:
+                    opt.state[p] = values
+                else:
+                    opt.state.pop(p, None)
+            return opt
+
+        return rebuild_optimizer
+
+    def _dict(self, x: dict, path: str) -> Rebuild:
         keys = list(x)
-        parts = [_flatten(x[k], leaves) for k in keys]
+        if not isinstance(x, OrderedDict) and (
+            all(isinstance(k, str) for k in keys) or all(isinstance(k, int) for k in keys)
+        ):
+            keys.sort()  # the same keys in another insertion order are the same structure
+        tokens = [_key_token(k) for k in keys]
+        self.nodes.append((path, ("dict", _type_name(x), tuple(tokens))))
+        parts = [self._walk(x[k], f"{path}[{t!r}]") for k, t in zip(keys, tokens, strict=True)]
 
         def rebuild_dict(it: Iterator[Any]) -> Any:
+            values = {k: p(it) for k, p in zip(keys, parts, strict=True)}
             new = copy.copy(x)  # keeps the type, an OrderedDict's order, a defaultdict's factory
             new.clear()
-            new.update((k, p(it)) for k, p in zip(keys, parts, strict=True))
+            new.update((k, values[k]) for k in x)
             return new
 
         return rebuild_dict
-    if isinstance(x, (list, tuple)):
-        parts = [_flatten(v, leaves) for v in x]
+
+    def _sequence(self, x: list | tuple, path: str) -> Rebuild:
+        self.nodes.append((path, ("sequence", _type_name(x), len(x))))
+        parts = [self._walk(v, f"{path}[{i}]") for i, v in enumerate(x)]
         if hasattr(type(x), "_fields"):  # namedtuple
             return lambda it: type(x)(*(p(it) for p in parts))
         if type(x) in (list, tuple):
@@ -81,9 +161,11 @@ def _flatten(x: Any, leaves: list[Any]) -> Rebuild:
             return new
 
         return rebuild_sequence
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+
+    def _dataclass(self, x: Any, path: str) -> Rebuild:
         names = [f.name for f in dataclasses.fields(x)]
-        parts = [_flatten(getattr(x, n), leaves) for n in names]
+        self.nodes.append((path, ("dataclass", _type_name(x), tuple(names))))
+        parts = [self._walk(getattr(x, n), f"{path}.{n}") for n in names]
 
         def rebuild_dataclass(it: Iterator[Any]) -> Any:
             new = copy.copy(x)
@@ -92,8 +174,17 @@ def _flatten(x: Any, leaves: list[Any]) -> Rebuild:
             return new
 
         return rebuild_dataclass
-    leaves.append(x)
-    return next
+
+
+def _type_name(x: Any) -> str:
+    return f"{type(x).__module__}.{type(x).__qualname__}"
+
+
+def _key_token(k: Any) -> Any:
+    """A dict key as ranks compare it: itself when it pickles to an equal value, else its type."""
+    if isinstance(k, tuple):
+        return tuple(_key_token(v) for v in k)
+    return k if isinstance(k, _PLAIN_KEYS) else f"<{type(k).__qualname__}>"
 
 
 def _children(x: Any) -> list[Any]:
@@ -113,76 +204,72 @@ def _holds_arrays(x: Any) -> bool:
     return any(_holds_arrays(c) for c in _children(x))
 
 
-def _module_tensors(m: torch.nn.Module) -> Iterator[torch.Tensor]:
-    for p in m.parameters():
-        yield p.data
-    yield from m.buffers()
+def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
 
 
-def _optimizer_tree(opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """Hyper-parameters and per-parameter state, in parameter order."""
-    params = [p for g in opt.param_groups for p in g["params"]]
-    return {
-        "hyper": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-        "state": [dict(opt.state.get(p, {})) for p in params],
-    }
+def _state_skeleton(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Root's state entries per parameter: tensors as (shape, dtype, where), plain values as None.
 
-
-def _apply_optimizer_tree(opt: torch.optim.Optimizer, tree: dict[str, Any]) -> torch.optim.Optimizer:
-    for group, hyper in zip(opt.param_groups, tree["hyper"], strict=True):
-        group.update(hyper)
-    params = [p for g in opt.param_groups for p in g["params"]]
-    for p, state in zip(params, tree["state"], strict=True):
-        if state:
-            opt.state[p] = state
-        else:
-            opt.state.pop(p, None)
-    return opt
-
-
-def _match_optimizer_state(backend: Backend, opt: torch.optim.Optimizer, root: int) -> None:
-    """Give every rank root's set of state entries (torch creates state lazily, at the first step).
-
-    Entries that root has and this rank lacks are created (filled later by the data
-    broadcast); entries root lacks are dropped.
+    ``where`` is "param" for an entry on its parameter's device (so each rank uses its
+    own parameter's device, e.g. its own GPU), else the device type ("cpu" for Adam's
+    ``step`` next to a CUDA parameter).
     """
-    params = [p for g in opt.param_groups for p in g["params"]]
-    skeleton = None
-    if backend.rank == root:
-        skeleton = [
-            {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for k, v in opt.state[p].items()}
-            if p in opt.state
-            else {}
-            for p in params
-        ]
-    skeleton = backend._bcast_object(skeleton, root)
-    if backend.rank == root:
-        return
-    if len(skeleton) != len(params):
-        raise ValueError(
-            f"synchronize: root's optimizer has {len(skeleton)} parameters, rank {backend.rank}'s has {len(params)}"
-        )
-    for p, entries in zip(params, skeleton, strict=True):
-        mine = opt.state.get(p, {})
-        new = {}
-        for k, spec in entries.items():
-            have = mine.get(k)
-            fits = isinstance(have, torch.Tensor) and tuple(have.shape) == spec[0] and have.dtype == spec[1]
-            if spec is None or fits:  # plain values are replaced by root's later
-                new[k] = have
-            else:
-                device = p.device if spec[0] == tuple(p.shape) else torch.device("cpu")
-                new[k] = torch.empty(spec[0], dtype=spec[1], device=device)
-        if new:
-            opt.state[p] = new
-        else:
-            opt.state.pop(p, None)
+    return [
+        {
+            k: (tuple(v.shape), v.dtype, "param" if v.device == p.device else v.device.type)
+            if isinstance(v, torch.Tensor)
+            else None
+            for k, v in opt.state.get(p, {}).items()
+        }
+        for p in _params(opt)
+    ]
 
 
-def _describe(leaf: Any) -> tuple:
-    """What must agree across ranks about a leaf: ("array", shape, dtype) or ("object",)."""
+def _match_states(
+    opts: list[torch.optim.Optimizer], skeletons: list[list[dict[str, Any]]]
+) -> tuple[dict[int, list[dict[str, Any]]], str | None]:
+    """Per-parameter state holding root's set of entries (torch creates state lazily, at the first step).
+
+    Entries that root has and this rank lacks (or holds with another shape, dtype or
+    device) are created, to be filled by the data broadcast; plain values are
+    placeholders replaced by root's; entries root lacks are dropped. Nothing is
+    installed here. Returns the states by ``id(optimizer)`` and a mismatch, if any.
+    """
+    if len(skeletons) != len(opts):
+        return {}, f"x holds {len(opts)} optimizer(s), root's holds {len(skeletons)}"
+    for i, (opt, skeleton) in enumerate(zip(opts, skeletons, strict=True)):
+        if len(skeleton) != len(_params(opt)):
+            return {}, f"optimizer {i} has {len(_params(opt))} parameters, root's has {len(skeleton)}"
+    states: dict[int, list[dict[str, Any]]] = {}
+    for opt, skeleton in zip(opts, skeletons, strict=True):
+        states[id(opt)] = []
+        for p, entries in zip(_params(opt), skeleton, strict=True):
+            mine = opt.state.get(p, {})
+            new = {}
+            for k, spec in entries.items():
+                have = mine.get(k)
+                if spec is None:
+                    new[k] = None
+                    continue
+                shape, dtype, where = spec
+                device = p.device if where == "param" else torch.device(where)
+                fits = (
+                    isinstance(have, torch.Tensor)
+                    and tuple(have.shape) == shape
+                    and have.dtype == dtype
+                    and have.device.type == device.type
+                )
+                new[k] = have if fits else torch.empty(shape, dtype=dtype, device=device)
+            states[id(opt)].append(new)
+    return states, None
+
+
+def _describe(leaf: Any) -> Node:
+    """What must agree across ranks about a leaf: ("array", shape, dtype, device type) or ("object",)."""
     if _is_array(leaf):
-        return ("array", tuple(leaf.shape), dtype_name(leaf))
+        device = leaf.device.type if isinstance(leaf, torch.Tensor) else "cpu"
+        return ("array", tuple(leaf.shape), dtype_name(leaf), device)
     return ("object",)
 
 
@@ -198,8 +285,9 @@ def synchronize(backend: Backend, x: T, root: int = 0) -> T:
 
     Args:
         backend: from ``dml.get_distributed_backend``.
-        x: the value; every rank passes the same structure with arrays of the same
-            shapes and dtypes.
+        x: the value; every rank passes the same structure (container types, dict
+            keys in any order, lengths, dataclass fields, parameter names) with arrays
+            of the same shapes, dtypes and device types.
         root: the rank whose value everyone ends with.
 
     Returns:
@@ -207,7 +295,7 @@ def synchronize(backend: Backend, x: T, root: int = 0) -> T:
 
     Raises:
         ValueError: a rank's structure or array shapes differ from root's (raised on
-            every rank, before any array is sent).
+            every rank, before any array is sent, naming the first difference).
 
     Example:
         >>> model = dml.synchronize(backend, model)
@@ -215,41 +303,45 @@ def synchronize(backend: Backend, x: T, root: int = 0) -> T:
     """
     check_backend(backend, "synchronize")
     root = _check_root(backend, root)
-    for opt in _optimizers(x):
-        _match_optimizer_state(backend, opt, root)
-    leaves: list[Any] = []
-    rebuild = _flatten(x, leaves)
-    shape = [_describe(leaf) for leaf in leaves]
-    objects = [None if _is_array(leaf) else leaf for leaf in leaves]
+    opts = list(_optimizers(x))
 
-    # 1. Root's structure and plain values, in one object broadcast (pickled on root first,
-    #    so an unpicklable value fails on every rank rather than leaving the others waiting).
+    # 1. Root's optimizer state entries, structure and plain values, in one object broadcast
+    #    (pickled on root first, so an unpicklable value fails on every rank rather than
+    #    leaving the others waiting).
     payload: Any = None
     if backend.rank == root:
+        flat = _Flat(x, {})
+        objects = [None if _is_array(leaf) else leaf for leaf in flat.leaves]
         try:
-            payload = ("ok", shape, pickle.dumps(objects))
+            payload = ("ok", pickle.dumps(([_state_skeleton(o) for o in opts], [d for _, d in flat.nodes], objects)))
         except Exception as e:
-            payload = ("error", f"root's value cannot be pickled: {type(e).__name__}: {e}", None)
-    status, root_shape, blob = backend._bcast_object(payload, root)
+            payload = ("error", f"root's value cannot be pickled: {type(e).__name__}: {e}")
+    status, blob = backend._bcast_object(payload, root)
     if status == "error":
-        raise TypeError(f"synchronize: {root_shape}")
+        raise TypeError(f"synchronize: {blob}")
+    skeletons, root_nodes, root_objects = pickle.loads(blob)
 
-    # 2. Agree that every rank's arrays match root's, before any array is sent.
-    mismatch = _first_mismatch(shape, root_shape)
-    if mismatch is None and backend.rank != root:
-        mismatch = _first_read_only(leaves)
+    # 2. Agree that every rank's structure and arrays match root's, before any array is sent.
+    mismatch = None
+    if backend.rank != root:
+        states, mismatch = _match_states(opts, skeletons)
+        if mismatch is None:
+            flat = _Flat(x, states)
+            mismatch = _first_difference(flat.nodes, root_nodes) or _first_read_only(flat)
     flags = np.zeros(backend.size, dtype=np.int8)
     allgather(backend, np.array(mismatch is not None, dtype=np.int8), flags)
     if flags.any():
         bad = [r for r in range(backend.size) if flags[r]]
         detail = f"; here: {mismatch}" if mismatch else ""
-        raise ValueError(f"synchronize: rank(s) {bad} hold a structure that differs from root {root}'s{detail}")
+        raise ValueError(
+            f"synchronize: rank(s) {bad} hold a structure that differs from root {root}'s{detail}. "
+            "Pass the same containers, keys, lengths and array shapes on every rank."
+        )
 
-    # 3. Array leaves: one broadcast per dtype/device.
-    _broadcast_arrays(backend, [leaf for leaf in leaves if _is_array(leaf)], root)
-    root_objects = pickle.loads(blob)
-    values = (leaf if _is_array(leaf) else obj for leaf, obj in zip(leaves, root_objects, strict=True))
-    return rebuild(values)
+    # 3. Array leaves: one broadcast per dtype/device; optimizer state is installed by the rebuild.
+    _broadcast_arrays(backend, [leaf for leaf in flat.leaves if _is_array(leaf)], root)
+    values = (leaf if _is_array(leaf) else obj for leaf, obj in zip(flat.leaves, root_objects, strict=True))
+    return flat.rebuild(values)
 
 
 def _optimizers(x: Any) -> Iterator[torch.optim.Optimizer]:
@@ -261,24 +353,48 @@ def _optimizers(x: Any) -> Iterator[torch.optim.Optimizer]:
             yield from _optimizers(c)
 
 
-def _first_mismatch(mine: list[tuple], roots: list[tuple]) -> str | None:
-    if len(mine) != len(roots):
-        return f"{len(mine)} leaves, root has {len(roots)}"
-    for i, (a, b) in enumerate(zip(mine, roots, strict=True)):
+def _first_difference(mine: list[tuple[str, Node]], roots: list[Node]) -> str | None:
+    """The first node that differs from root's, or None.
+
+    Nodes are depth-first and a container's node fixes how many children follow, so
+    nodes equal up to the end of either list mean equal lists.
+    """
+    for (path, a), b in zip(mine, roots, strict=False):
         if a != b:
-            return f"leaf {i} is {_show(a)}, root's is {_show(b)}"
+            return f"{path} is {_show(a)}, root's is {_show(b)}"
     return None
 
 
-def _first_read_only(leaves: list[Any]) -> str | None:
-    for i, leaf in enumerate(leaves):
+def _first_read_only(flat: _Flat) -> str | None:
+    for leaf, path in zip(flat.leaves, flat.leaf_paths, strict=True):
         if isinstance(leaf, np.ndarray) and not leaf.flags.writeable:
-            return f"leaf {i} is a read-only array and cannot receive root's data"
+            return f"{path} is a read-only array and cannot receive root's data"
     return None
 
 
-def _show(d: tuple) -> str:
-    return f"an array of shape {d[1]} and dtype {d[2]}" if d[0] == "array" else "a plain value"
+def _show(node: Node) -> str:
+    kind, rest = node[0], node[1:]
+    if kind == "array":
+        return f"an array of shape {rest[0]}, dtype {rest[1]} on {rest[2]}"
+    if kind == "object":
+        return "a plain value"
+    full = rest[0]
+    name = full.rpartition(".")[2]
+    article = "an" if name[:1].lower() in "aeiou" else "a"
+    if kind == "dict":
+        return f"{article} {name} with keys {list(rest[1])}"
+    if kind == "sequence":
+        return f"{article} {name} of length {rest[1]}"
+    if kind == "dataclass":
+        return f"{article} {name} with fields {list(rest[1])}"
+    if kind == "module":
+        return f"{article} {name} ({full}) with {len(rest[1])} parameters and buffers {_names(rest[1])}"
+    return f"{article} {name} ({full}) with {sum(rest[1])} parameters in groups of {list(rest[1])}"
+
+
+def _names(names: tuple[str, ...], shown: int = 8) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{list(names[:shown])}{more}"
 
 
 def _broadcast_arrays(backend: Backend, arrays: list[ArrayLike], root: int) -> None:

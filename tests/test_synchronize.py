@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import distutils_ml as dml
+from distutils_ml.synchronize import _match_states, _state_skeleton
 
-from train_bodies import make_model, sync_cases, synchronize_body
+from train_bodies import Holder, Pair, make_model, sync_cases, synchronize_body
 
 
 @settings(max_examples=25, deadline=None)
@@ -54,7 +60,7 @@ def test_structure_mismatch_raises_on_every_rank_before_sending() -> None:
 
     msgs = dml.LocalBackend.spawn(3, fn, timeout=30)
     assert all("rank(s) [1] hold a structure that differs from root 0's" in m for m in msgs), msgs
-    assert "leaf 0 is an array of shape (4,)" in msgs[1]
+    assert "x['w'] is an array of shape (4,), dtype float32 on cpu, root's is an array of shape (3,)" in msgs[1]
 
 
 def test_unpicklable_root_value_raises_everywhere() -> None:
@@ -75,3 +81,268 @@ def test_bad_arguments() -> None:
         dml.synchronize(b, torch.zeros(1), root=1)
     with pytest.raises(TypeError, match="first argument must be a backend"):
         dml.synchronize(torch.zeros(1), b)
+
+
+# -- structure mismatches: every rank raises, before any array is sent --------------------
+
+
+@dataclasses.dataclass
+class OtherHolder:
+    """The same fields as ``Holder``, another type."""
+
+    array: np.ndarray
+    label: str
+
+
+def mismatch_messages(world: int, make: Callable[[int], Any], root: int = 0) -> list[str]:
+    """Run ``synchronize(make(rank))`` on ``world`` ranks; return every rank's ValueError message.
+
+    Asserts that no array was broadcast and that a collective right after works.
+    """
+
+    def fn(b: dml.Backend) -> str:
+        sent: list[int] = []
+        original = b._bcast
+
+        def counting(buf: np.ndarray, r: int) -> None:
+            sent.append(buf.size)
+            original(buf, r)
+
+        b._bcast = counting  # type: ignore[method-assign]
+        try:
+            dml.synchronize(b, make(b.rank), root=root)
+        except ValueError as e:
+            msg = str(e)
+        else:
+            msg = "no error"
+        assert sent == [], f"rank {b.rank} broadcast arrays before failing: {sent}"
+        buf = np.ones(2)
+        dml.allreduce(b, buf, dml.SUM)  # the world is still usable
+        assert (buf == b.size).all()
+        return msg
+
+    return dml.LocalBackend.spawn(world, fn, timeout=30, stall_timeout=10)
+
+
+def _last_differs(world: int, same: Callable[[int], Any], other: Callable[[int], Any]) -> Callable[[int], Any]:
+    return lambda rank: other(rank) if rank == world - 1 else same(rank)
+
+
+def _t(rank: int) -> torch.Tensor:
+    return torch.full((2,), float(rank))
+
+
+STRUCTURE_CASES = {
+    "dict keys": (
+        lambda r: {"a": _t(r), "b": r},
+        lambda r: {"a": _t(r), "c": r},
+        "x is a dict with keys ['a', 'c'], root's is a dict with keys ['a', 'b']",
+    ),
+    "list vs tuple": (
+        lambda r: {"v": [_t(r), r]},
+        lambda r: {"v": (_t(r), r)},
+        "x['v'] is a tuple of length 2, root's is a list of length 2",
+    ),
+    "lengths": (
+        lambda r: [_t(r), r],
+        lambda r: [_t(r), r, r],
+        "x is a list of length 3, root's is a list of length 2",
+    ),
+    "namedtuple vs tuple": (
+        lambda r: {"p": Pair(_t(r), r)},
+        lambda r: {"p": (_t(r), r)},
+        "x['p'] is a tuple of length 2, root's is a Pair of length 2",
+    ),
+    "dataclass types": (
+        lambda r: Holder(np.zeros(2) + r, "h"),
+        lambda r: OtherHolder(np.zeros(2) + r, "h"),
+        "x is an OtherHolder with fields ['array', 'label'], root's is a Holder with fields ['array', 'label']",
+    ),
+    "array vs plain value": (
+        lambda r: {"a": _t(r), "b": None},
+        lambda r: {"a": _t(r), "b": _t(r)},
+        "x['b'] is an array of shape (2,), dtype float32 on cpu, root's is a plain value",
+    ),
+    "module parameters": (
+        make_model,
+        lambda r: make_model(r, bn=False),
+        "x is a Sequential (torch.nn.modules.container.Sequential) with 4 parameters and buffers",
+    ),
+}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", list(STRUCTURE_CASES))
+def test_structure_difference_raises_on_every_rank(case: str, world: int) -> None:
+    same, other, detail = STRUCTURE_CASES[case]
+    msgs = mismatch_messages(world, _last_differs(world, same, other))
+    bad = f"rank(s) [{world - 1}] hold a structure that differs from root 0's"
+    assert all(bad in m for m in msgs), msgs
+    assert detail in msgs[-1], msgs[-1]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_structure_difference_on_root_other_than_0(world: int) -> None:
+    # Rank 0 differs from root 1: rank 0 names the difference, every rank raises.
+    msgs = mismatch_messages(world, lambda r: {"a": _t(r), "b": r} if r else {"a": _t(r), "c": r}, root=1)
+    assert all("rank(s) [0] hold a structure that differs from root 1's" in m for m in msgs), msgs
+    assert "x is a dict with keys ['a', 'c'], root's is a dict with keys ['a', 'b']" in msgs[0]
+
+
+def _adam(rank: int, drop: int = 0, step: bool = False) -> torch.optim.Optimizer:
+    model = make_model(rank, bn=False)
+    params = list(model.parameters())
+    opt = torch.optim.Adam(params[: len(params) - drop], lr=0.1)
+    if step:
+        model(torch.ones(2, 3)).sum().backward()
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(("where", "root"), [("non-root has fewer", 0), ("root has fewer", 0), ("root 1", 1)])
+def test_optimizer_parameter_count_difference_raises_on_every_rank(world: int, where: str, root: int) -> None:
+    # root's state exists (it has stepped), so without the check other ranks would create entries for it
+    def make(rank: int) -> torch.optim.Optimizer:
+        fewer = (rank == root) == (where == "root has fewer")
+        return _adam(rank, drop=1 if fewer else 0, step=rank == root)
+
+    msgs = mismatch_messages(world, make, root=root)
+    bad = [r for r in range(world) if r != root]
+    assert all(f"rank(s) {bad} hold a structure that differs from root {root}'s" in m for m in msgs), msgs
+    for r in bad:
+        assert "optimizer 0 has" in msgs[r] and "parameters, root's has" in msgs[r], msgs[r]
+
+
+def test_optimizer_group_sizes_are_compared() -> None:
+    def make(rank: int) -> torch.optim.Optimizer:
+        params = list(make_model(rank, bn=False).parameters())
+        split = 1 if rank == 0 else 2
+        return torch.optim.SGD([{"params": params[:split]}, {"params": params[split:]}], lr=0.1)
+
+    msgs = mismatch_messages(2, make)
+    assert all("rank(s) [1] hold a structure" in m for m in msgs), msgs
+    assert "with 4 parameters in groups of [2, 2], root's is a SGD" in msgs[1], msgs[1]
+    assert "in groups of [1, 3]" in msgs[1], msgs[1]
+
+
+def test_failed_synchronize_leaves_optimizer_state_untouched() -> None:
+    def fn(b: dml.Backend) -> int:
+        opt = _adam(b.rank, step=b.rank == 0)
+        with pytest.raises(ValueError, match="differs from root"):
+            dml.synchronize(b, {"opt": opt, "x": _t(b.rank) if b.rank else None})
+        return len(opt.state)
+
+    assert dml.LocalBackend.spawn(2, fn, timeout=30) == [4, 0]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dict_key_order_does_not_matter(world: int) -> None:
+    def fn(b: dml.Backend) -> None:
+        keys = ["w", "b"] if b.rank % 2 else ["b", "w"]
+        x = {k: torch.full((i + 1,), float(b.rank)) for i, k in enumerate(sorted(keys))}
+        x = {k: x[k] for k in keys}
+        out = dml.synchronize(b, x, root=world - 1)
+        assert list(out) == keys, "each rank keeps its own key order"
+        for k in keys:
+            assert out[k] is x[k] and (out[k] == world - 1).all()
+
+    dml.LocalBackend.spawn(world, fn, timeout=30)
+
+
+@pytest.mark.parametrize(("world", "root"), [(2, 1), (3, 2), (3, 1)])
+def test_optimizer_state_only_on_root_other_than_0(world: int, root: int) -> None:
+    def fn(b: dml.Backend) -> None:
+        opt = _adam(b.rank, step=b.rank == root)
+        expected = _adam(root, step=True)
+        dml.synchronize(b, opt, root=root)
+        assert opt.param_groups[0]["lr"] == 0.1
+        for p, q in zip(opt.param_groups[0]["params"], expected.param_groups[0]["params"], strict=True):
+            mine, theirs = opt.state[p], expected.state[q]
+            assert sorted(mine) == sorted(theirs)
+            for k, v in theirs.items():
+                assert mine[k].device == v.device and mine[k].dtype == v.dtype and torch.equal(mine[k], v)
+
+    dml.LocalBackend.spawn(world, fn, timeout=30)
+
+
+def test_created_state_uses_roots_device_not_the_parameters() -> None:
+    # Adam keeps ``step`` on the CPU next to a CUDA parameter; "meta" stands in for CUDA here.
+    def adam_on(device: str) -> tuple[torch.optim.Optimizer, torch.Tensor]:
+        p = torch.nn.Parameter(torch.zeros((), device=device))
+        return torch.optim.Adam([p]), p
+
+    root_opt, rp = adam_on("meta")
+    root_opt.state[rp] = {"step": torch.tensor(3.0), "exp_avg": torch.zeros((), device="meta"), "note": "x"}
+    mine, p = adam_on("meta")
+    states, mismatch = _match_states([mine], [_state_skeleton(root_opt)])
+    assert mismatch is None
+    created = states[id(mine)][0]
+    assert created["step"].device.type == "cpu" and created["step"].shape == ()
+    assert created["exp_avg"].device == p.device
+    assert created["note"] is None  # a plain value: root's replaces it
+    assert not mine.state, "nothing is installed before every rank agrees"
+
+
+# -- property: any two structures either round-trip or raise everywhere -----------------
+
+
+def _shape_trees() -> st.SearchStrategy[Any]:
+    """Trees of dict / list / tuple (never empty) with array sizes at the leaves."""
+    return st.recursive(
+        st.integers(0, 2),
+        lambda kids: (
+            st.lists(kids, min_size=1, max_size=3)
+            | st.lists(kids, min_size=1, max_size=3).map(tuple)
+            | st.dictionaries(st.sampled_from("abc"), kids, min_size=1, max_size=3).map(
+                lambda d: dict(sorted(d.items()))
+            )
+        ),
+        max_leaves=6,
+    )
+
+
+def _materialize(spec: Any, rank: int) -> Any:
+    """Tensors filled with ``rank``; odd ranks build their dicts in reverse key order."""
+    if isinstance(spec, dict):
+        items = [(k, _materialize(v, rank)) for k, v in spec.items()]
+        return dict(reversed(items) if rank % 2 else items)
+    if isinstance(spec, (list, tuple)):
+        return type(spec)(_materialize(v, rank) for v in spec)
+    return torch.full((spec,), float(rank))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    world=st.integers(2, 3),
+    root_draw=st.integers(0, 2),
+    odd_draw=st.integers(0, 2),
+    spec=_shape_trees(),
+    other=st.none() | _shape_trees(),
+)
+def test_any_structure_round_trips_or_raises_everywhere(
+    world: int, root_draw: int, odd_draw: int, spec: Any, other: Any
+) -> None:
+    root, odd = root_draw % world, odd_draw % world
+    other = spec if other is None else other
+    same = pytree.tree_structure(spec) == pytree.tree_structure(other) and pytree.tree_leaves(
+        spec
+    ) == pytree.tree_leaves(other)
+
+    def make(rank: int) -> Any:
+        return _materialize(other if rank == odd else spec, rank)
+
+    if same:
+
+        def fn(b: dml.Backend) -> None:
+            x = make(b.rank)
+            out = dml.synchronize(b, x, root=root)
+            assert pytree.tree_structure(out) == pytree.tree_structure(x)
+            assert all((t == root).all() for t in pytree.tree_leaves(out))
+
+        dml.LocalBackend.spawn(world, fn, timeout=30)
+        return
+    msgs = mismatch_messages(world, make, root=root)
+    bad = [odd] if odd != root else [r for r in range(world) if r != root]
+    assert all(f"rank(s) {bad} hold a structure that differs from root {root}'s" in m for m in msgs), msgs
+    assert all("; here: x" in msgs[r] for r in bad), msgs
