@@ -29,46 +29,30 @@ reported, never asserted: the script exits 0 when it ran.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import socket
 import statistics
 import sys
 import time
 import timeit
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py, when run as a script
+import common
+
 BASE = "mpi4py_numpy"
 MAIN = ("mpi4py_numpy", "dml_torch", "dml_numpy", "gloo")
 DML = ("dml_torch", "dml_numpy")
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 # ----------------------------------------------------------------------------- helpers
-def parse_bytes(tok: str) -> int:
-    """``"4K"``, ``"64KiB"``, ``"16M"`` or a plain byte count, as bytes."""
-    t = tok.strip().upper().removesuffix("B").removesuffix("I")
-    if t and t[-1] in UNITS:
-        return int(float(t[:-1]) * UNITS[t[-1]])
-    return int(t)
-
-
-def fmt_bytes(n: int) -> str:
-    """Bytes as ``"64 KiB"`` / ``"16 MiB"`` where exact."""
-    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= k and n % k == 0:
-            return f"{n // k} {unit}"
-    return f"{n} B"
-
-
 def short_bytes(n: int) -> str:
     """Bytes as ``"4M"`` (for contender names)."""
-    return fmt_bytes(n).replace(" ", "").replace("iB", "")
+    return common.fmt_bytes(n).replace(" ", "").replace("iB", "")
 
 
 def fmt_time(s: float) -> str:
@@ -80,80 +64,17 @@ def fmt_time(s: float) -> str:
     return f"{s:.3f} s"
 
 
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    """A GitHub-markdown table, padded for the terminal."""
-    w = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(cells)) + " |"
-
-    return "\n".join([line(headers), "|" + "|".join("-" * (x + 2) for x in w) + "|", *(line(r) for r in rows)])
-
-
-def import_dml() -> Any:
-    """``distutils_ml``, from the install or from the checkout this file sits in."""
-    try:
-        import distutils_ml
-    except ImportError:
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        import distutils_ml
-    return distutils_ml
-
-
 # ----------------------------------------------------------------------------- context
-class Ctx:
+class Ctx(common.MPIWorld):
     """MPI world, the distutils_ml backend(s) and a lazily created gloo process group."""
 
     def __init__(self, segments: list[int]) -> None:
-        from mpi4py import MPI
-
-        self.MPI = MPI
-        self.comm = MPI.COMM_WORLD
-        self.rank: int = self.comm.Get_rank()
-        self.size: int = self.comm.Get_size()
-        self.dml = import_dml()
+        super().__init__()
+        self.dml = common.import_dml()
         self.dml.initialize(self.dml.MPIBackend)
         self.backend = self.dml.get_distributed_backend(self.dml.MPIBackend)
         # Built here, in the same order on every rank: the constructor is collective.
         self.seg_backends = {s: self.dml.MPIBackend(segment_bytes=s) for s in segments}
-        self._gloo = False
-
-    def gloo(self) -> None:
-        """Start torch.distributed with gloo: rank 0 picks a free port and broadcasts it over MPI."""
-        if self._gloo:
-            return
-        import torch.distributed as dist
-
-        port = None
-        if self.rank == 0:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]  # small race window until gloo binds it; fine on a private box
-        port = self.comm.bcast(port, root=0)
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", init_method="env://", rank=self.rank, world_size=self.size)
-        self._gloo = True
-
-    def finish(self) -> None:
-        """Tear down gloo."""
-        if self._gloo:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-            self._gloo = False
-
-    def max_over_ranks(self, xs: list[float]) -> list[float]:
-        """Element-wise max of ``xs`` over ranks."""
-        a = np.asarray(xs, dtype=np.float64)
-        out = np.empty_like(a)
-        self.comm.Allreduce(a, out, op=self.MPI.MAX)
-        return [float(x) for x in out]
-
-    def log(self, *a: Any) -> None:
-        """Print on rank 0."""
-        if self.rank == 0:
-            print(*a, flush=True)
 
 
 # ----------------------------------------------------------------------------- contenders
@@ -175,7 +96,7 @@ def make_case(ctx: Ctx, name: str, n: int) -> Case:
         return Case(lambda: comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM), a)
     if name.startswith(("dml_numpy", "dml_torch")):
         kind, _, seg = name.removeprefix("dml_").partition("_seg")
-        be = ctx.seg_backends[parse_bytes(seg)] if seg else ctx.backend
+        be = ctx.seg_backends[common.parse_bytes(seg)] if seg else ctx.backend
         if kind == "numpy":
             a = np.zeros(n, np.float32)
             return Case(lambda: dml.allreduce(be, a, dml.SUM), a)
@@ -191,11 +112,6 @@ def make_case(ctx: Ctx, name: str, n: int) -> Case:
 
 
 # ----------------------------------------------------------------------------- measurement
-def median_ratio(ts: list[float], base: list[float]) -> float:
-    """Median over repetitions of the within-repetition ratio ts[i] / base[i]."""
-    return statistics.median(t / b for t, b in zip(ts, base, strict=True))
-
-
 def run_size(ctx: Ctx, names: list[str], nbytes: int, args: argparse.Namespace) -> dict[str, Any]:
     """Verify, warm up and time every contender at one size; per-contender stats (same on all ranks)."""
     n = nbytes // 4
@@ -211,7 +127,7 @@ def run_size(ctx: Ctx, names: list[str], nbytes: int, args: argparse.Namespace) 
         ok = bool(np.array_equal(c.buf, expect))
         verified[name] = bool(ctx.comm.allreduce(ok, op=ctx.MPI.LAND))
         if not verified[name]:
-            ctx.log(f"!! {name} at {fmt_bytes(nbytes)}: WRONG RESULT")
+            ctx.log(f"!! {name} at {common.fmt_bytes(nbytes)}: WRONG RESULT")
         c.buf[...] = 0  # zeros stay zeros: no overflow or denormals while timing
     for c in cases.values():
         for _ in range(args.warmup):
@@ -242,10 +158,10 @@ def run_size(ctx: Ctx, names: list[str], nbytes: int, args: argparse.Namespace) 
             "min_s": min(ts),
             "max_s": max(ts),
             "busbw_GBps": busf * nbytes / med / 1e9,
-            "ratio": median_ratio(ts, base),
+            "ratio": common.median_ratio(ts, base),
             "ratio_of_medians": med / statistics.median(base),
             "diff_us": statistics.median((t - b) * 1e6 for t, b in zip(ts, base, strict=True)),
-            "vs_gloo": median_ratio(ts, times["gloo"]) if "gloo" in times else None,
+            "vs_gloo": common.median_ratio(ts, times["gloo"]) if "gloo" in times else None,
             "times_s": ts,
         }
     return out
@@ -276,69 +192,18 @@ def call_overhead(ctx: Ctx, number: int = 2000) -> dict[str, float]:
     return out
 
 
-def machine_busy_s() -> float:
-    """CPU seconds all processes have used on this machine since boot (``/proc/stat``); nan elsewhere."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return float("nan")
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-class ForeignLoad:
-    """CPU time used by OTHER processes while the benchmark runs: the noise this run was exposed to.
-
-    Machine busy time (``/proc/stat``) minus what our ranks used (``os.times``), summed over ranks.
-    """
-
-    def __init__(self, ctx: Ctx) -> None:
-        self.ctx = ctx
-        ctx.comm.Barrier()
-        self.t0, self.busy0, self.own0 = time.perf_counter(), machine_busy_s(), self._own()
-
-    @staticmethod
-    def _own() -> float:
-        t = os.times()
-        return t.user + t.system
-
-    def stop(self) -> dict[str, float]:
-        """Wall seconds, foreign CPU seconds and foreign share of the machine's cores."""
-        own = self.ctx.comm.allreduce(self._own() - self.own0)
-        wall = time.perf_counter() - self.t0
-        foreign = max(0.0, machine_busy_s() - self.busy0 - own)
-        cores = os.cpu_count() or 1
-        return {"wall_s": wall, "foreign_cpu_s": foreign, "foreign_share": foreign / (wall * cores)}
-
-
 def environment(ctx: Ctx) -> dict[str, Any]:
     """Versions, CPU, binding and thread counts (gathered to rank 0)."""
     import mpi4py
     import torch
 
-    cpu = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    except OSError:
-        pass
-    return {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "nproc": os.cpu_count(),
+    versions = {
         "torch": torch.__version__,
         "mpi4py": mpi4py.__version__,
         "numpy": np.__version__,
-        "mpi_library": ctx.MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0],
-        "world_size": ctx.size,
-        "affinity_per_rank": ctx.comm.gather(sorted(os.sched_getaffinity(0)), root=0),
-        "torch_threads_per_rank": ctx.comm.gather(torch.get_num_threads(), root=0),
-        "segment_bytes": ctx.backend.segment_bytes,
-        "loadavg_start": os.getloadavg(),
-        "mca_env": {k: v for k, v in os.environ.items() if k.startswith(("OMPI_MCA", "DML_", "OMP_"))},
+        "mpi_library": common.mpi_library(ctx.MPI),
     }
+    return common.environment(ctx, versions, {"segment_bytes": ctx.backend.segment_bytes})
 
 
 # ----------------------------------------------------------------------------- report
@@ -351,7 +216,7 @@ def targets(res: dict[int, dict[str, Any]]) -> list[tuple[str, str, bool]]:
             continue
         for s in mid:
             r = res[s][name]["ratio"]
-            out.append((f"{name} within 1.10x of raw at {fmt_bytes(s)}", f"{r:.2f}x", r <= 1.10))
+            out.append((f"{name} within 1.10x of raw at {common.fmt_bytes(s)}", f"{r:.2f}x", r <= 1.10))
         if 4 << 10 in res:
             d = res[4 << 10][name]["diff_us"]
             out.append((f"{name} within 3 us of raw at 4 KiB", f"{d:+.2f} us", d <= 3.0))
@@ -363,7 +228,7 @@ def targets(res: dict[int, dict[str, Any]]) -> list[tuple[str, str, bool]]:
         for s in res:
             g = res[s][name]["vs_gloo"]
             if g is not None:
-                out.append((f"{name} faster than gloo at {fmt_bytes(s)}", f"{g:.3f}x gloo", g < 1.0))
+                out.append((f"{name} faster than gloo at {common.fmt_bytes(s)}", f"{g:.3f}x gloo", g < 1.0))
     return out
 
 
@@ -371,7 +236,7 @@ def report(res: dict[int, dict[str, Any]], names: list[str], args: argparse.Name
     """Print one markdown table per size, then the targets block; return the targets."""
     for nbytes, cases in res.items():
         inner = cases[BASE]["inner"]
-        print(f"\n### {fmt_bytes(nbytes)} ({args.reps} reps x {inner} op{'s' if inner > 1 else ''})\n")
+        print(f"\n### {common.fmt_bytes(nbytes)} ({args.reps} reps x {inner} op{'s' if inner > 1 else ''})\n")
         rows = []
         for name in names:
             r = cases[name]
@@ -387,15 +252,13 @@ def report(res: dict[int, dict[str, Any]], names: list[str], args: argparse.Name
                 ]
             )
         print(
-            table(
+            common.table(
                 ["contender", "median", "min / max", "busbw GB/s", f"t/t({BASE})", "diff vs raw (us)", "check"],
                 rows,
             )
         )
     tg = targets(res)
-    print("\n### targets (reported, not asserted; ratios = median of within-repetition ratios)\n")
-    print(table(["target", "measured", "result"], [[t, m, "PASS" if ok else "MISS"] for t, m, ok in tg]))
-    print(f"\n{sum(ok for *_, ok in tg)}/{len(tg)} targets PASS")
+    common.print_targets(tg, "median of within-repetition ratios")
     return tg
 
 
@@ -408,7 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed ops per contender and size (default 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank (default 1)")
     ap.add_argument(
-        "--min-rep-bytes", type=parse_bytes, default=1 << 20, help="small sizes loop up to this many bytes per rep"
+        "--min-rep-bytes",
+        type=common.parse_bytes,
+        default=1 << 20,
+        help="small sizes loop up to this many bytes per rep",
     )
     ap.add_argument("--only", help=f"comma-separated contenders ({BASE} and --segments ones are always kept)")
     ap.add_argument("--segments", default="", help="add dml_{torch,numpy}_seg<S> contenders, e.g. 1M,2M,4M,8M")
@@ -422,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    segments = [parse_bytes(s) for s in args.segments.split(",") if s.strip()]
+    segments = [common.parse_bytes(s) for s in args.segments.split(",") if s.strip()]
     ctx = Ctx(segments)
     names = list(MAIN) + [f"dml_{k}_seg{short_bytes(s)}" for k in ("torch", "numpy") for s in segments]
     if args.only:
@@ -431,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             ap.error(f"unknown contender(s) {sorted(unknown)}; known: {names}")
         names = [n for n in names if n in want or "_seg" in n]  # --segments contenders are always kept
-    sizes = [parse_bytes(s) for s in args.sizes.split(",") if s.strip()]
+    sizes = [common.parse_bytes(s) for s in args.sizes.split(",") if s.strip()]
     env = environment(ctx)
     ctx.log(
         f"# allreduce: {ctx.size} ranks, {env['mpi_library']}, torch {env['torch']}, mpi4py {env['mpi4py']}, "
@@ -440,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         f"load average {env['loadavg_start'][0]:.2f}"
     )
 
-    meter = ForeignLoad(ctx)
+    meter = common.ForeignLoad(ctx)
     res: dict[int, dict[str, Any]] = {}
     for nbytes in sizes:
         res[nbytes] = run_size(ctx, names, nbytes, args)
@@ -456,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             base = overhead["mpi4py_numpy"]
             print("\n### per-call cost on a 1-rank communicator (COMM_SELF, 4 KiB, best of 5 x 2000 calls)\n")
             print(
-                table(
+                common.table(
                     ["call", "us per call", "over raw (us)"],
                     [[k, f"{v:.2f}", f"{v - base:+.2f}"] for k, v in overhead.items()],
                 )
@@ -472,22 +338,19 @@ def main(argv: list[str] | None = None) -> int:
             "above ~5% the numbers of this run are disturbed)"
         )
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(
-                    {
-                        "env": env,
-                        "args": vars(args),
-                        "ratio_definition": "median over repetitions of t(contender)/t(mpi4py_numpy) in that rep",
-                        "results": {str(s): v for s, v in res.items()},
-                        "targets": [{"target": t, "measured": m, "pass": ok} for t, m, ok in tg],
-                        "call_overhead_us": overhead,
-                        "foreign_load": foreign,
-                        "elapsed_s": elapsed,
-                    },
-                    f,
-                    indent=1,
-                )
-            print(f"saved {args.json}")
+            common.write_json(
+                args.json,
+                {
+                    "env": env,
+                    "args": vars(args),
+                    "ratio_definition": "median over repetitions of t(contender)/t(mpi4py_numpy) in that rep",
+                    "results": {str(s): v for s, v in res.items()},
+                    "targets": [{"target": t, "measured": m, "pass": ok} for t, m, ok in tg],
+                    "call_overhead_us": overhead,
+                    "foreign_load": foreign,
+                    "elapsed_s": elapsed,
+                },
+            )
     return 0
 
 

@@ -42,18 +42,19 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
-import platform
-import socket
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py, when run as a script
+import common
 
 BASE = "ddp_gloo"
 LOOPS = ("naive_mpi4py", "gradview_mpi4py_chunk4M")
@@ -66,18 +67,9 @@ MODELS: dict[str, list[int]] = {
 }
 # Targets for the default dml contender: (max t/t(ddp_gloo), max t/t(best hand-written loop)).
 TARGETS: dict[str, tuple[float, float]] = {"mlp2m": (0.75, 1.05), "deep36": (0.75, 1.05), "mlp25m": (0.90, 1.05)}
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 # ----------------------------------------------------------------------------- helpers
-def parse_bytes(tok: str) -> int:
-    """``"64K"``, ``"1M"``, ``"4MiB"`` or a plain byte count, as bytes."""
-    t = tok.strip().upper().removesuffix("B").removesuffix("I")
-    if t and t[-1] in UNITS:
-        return int(float(t[:-1]) * UNITS[t[-1]])
-    return int(t)
-
-
 def short_bytes(n: int) -> str:
     """Bytes as ``"64K"`` / ``"4M"`` where exact (for contender names)."""
     for unit, k in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
@@ -95,26 +87,6 @@ def fmt_time(s: float | None) -> str:
     if s < 1:
         return f"{s * 1e3:.2f} ms"
     return f"{s:.3f} s"
-
-
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    """A GitHub-markdown table, padded for the terminal."""
-    w = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(cells)) + " |"
-
-    return "\n".join([line(headers), "|" + "|".join("-" * (x + 2) for x in w) + "|", *(line(r) for r in rows)])
-
-
-def import_dml() -> Any:
-    """``distutils_ml``, from the install or from the checkout this file sits in."""
-    try:
-        import distutils_ml
-    except ImportError:
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        import distutils_ml
-    return distutils_ml
 
 
 def build_model(widths: list[int]) -> Any:
@@ -137,70 +109,24 @@ def flat_params(model: Any) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- worlds
-class World:
+class World(common.MPIWorld):
     """MPI world (rank, size, barrier, max over ranks), a lazily started gloo group and the dml backend."""
 
     def __init__(self) -> None:
-        from mpi4py import MPI
-
-        self.MPI = MPI
-        self.comm = MPI.COMM_WORLD
-        self.rank: int = self.comm.Get_rank()
-        self.size: int = self.comm.Get_size()
-        self._gloo = False
+        super().__init__()
         self._backend: Any = None
-
-    def gloo(self) -> None:
-        """Start torch.distributed with gloo: rank 0 picks a free port and broadcasts it over MPI."""
-        if self._gloo:
-            return
-        import torch.distributed as dist
-
-        port = None
-        if self.rank == 0:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]  # small race window until gloo binds it; fine on a private box
-        port = self.comm.bcast(port, root=0)
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", init_method="env://", rank=self.rank, world_size=self.size)
-        self._gloo = True
 
     def dml_backend(self) -> tuple[Any, Any]:
         """``(dml, backend)``: the package and its MPIBackend over COMM_WORLD."""
-        dml = import_dml()
+        dml = common.import_dml()
         if self._backend is None:
             dml.initialize(dml.MPIBackend)
             self._backend = dml.get_distributed_backend(dml.MPIBackend)
         return dml, self._backend
 
-    def barrier(self) -> None:
-        """MPI barrier."""
-        self.comm.Barrier()
-
-    def max_over_ranks(self, xs: list[float]) -> list[float]:
-        """Element-wise max of ``xs`` over ranks."""
-        a = np.asarray(xs, dtype=np.float64)
-        out = np.empty_like(a)
-        self.comm.Allreduce(a, out, op=self.MPI.MAX)
-        return [float(x) for x in out]
-
     def allmax(self, x: float) -> float:
         """Max of one float over ranks."""
         return self.max_over_ranks([x])[0]
-
-    def gather(self, obj: Any) -> Any:
-        """Objects of every rank, on rank 0 (None elsewhere)."""
-        return self.comm.gather(obj, root=0)
-
-    def finish(self) -> None:
-        """Tear down gloo."""
-        if self._gloo:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-            self._gloo = False
 
 
 class Solo(World):
@@ -215,6 +141,10 @@ class Solo(World):
     def max_over_ranks(self, xs: list[float]) -> list[float]:
         """``xs`` itself."""
         return [float(x) for x in xs]
+
+    def sum_over_ranks(self, x: float) -> float:
+        """``x`` itself."""
+        return x
 
     def gather(self, obj: Any) -> Any:
         """``[obj]``."""
@@ -323,7 +253,7 @@ def make_trainer(world: World, name: str, make: Callable[[], tuple[Any, Any]]) -
 
     if name == "dml" or name.startswith("dml_bb"):
         dml, backend = world.dml_backend()
-        kw = {} if name == "dml" else {"bucket_bytes": parse_bytes(name.removeprefix("dml_bb"))}
+        kw = {} if name == "dml" else {"bucket_bytes": common.parse_bytes(name.removeprefix("dml_bb"))}
         dopt = dml.DistributedOptimizer(backend, opt, **kw)
         spent = [0.0]
         reducer = getattr(dopt, "_reducer", None)  # private: only to time the reduction inside step()
@@ -352,11 +282,6 @@ def make_trainer(world: World, name: str, make: Callable[[], tuple[Any, Any]]) -
 
 
 # ----------------------------------------------------------------------------- measurement
-def paired_ratio(ts: list[float], base: list[float]) -> float:
-    """Median over steps of the within-step ratio ts[i] / base[i]."""
-    return statistics.median(t / b for t, b in zip(ts, base, strict=True))
-
-
 def run_model(world: World, model_name: str, names: list[str], args: argparse.Namespace) -> dict[str, Any]:
     """Build every contender on ``model_name``, run the interleaved steps, return times and correctness."""
     import torch
@@ -443,75 +368,24 @@ def summarize(res: dict[str, Any]) -> None:
         r["comm_share"] = (t - t_ideal) / t if t_ideal and r["mode"] == "dp" else None
         for key, ref in (("vs_base", BASE), ("vs_best_loop", best)):
             if ref is not None and ref in cs:
-                r[key] = paired_ratio(r["times_s"], cs[ref]["times_s"])
+                r[key] = common.median_ratio(r["times_s"], cs[ref]["times_s"])
                 r[key + "_of_medians"] = t / cs[ref]["median_s"]
             else:
                 r[key] = r[key + "_of_medians"] = None
 
 
-# ----------------------------------------------------------------------------- noise meter
-def machine_busy_s() -> float:
-    """CPU seconds all processes have used on this machine since boot (``/proc/stat``); nan elsewhere."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return float("nan")
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-class ForeignLoad:
-    """CPU time used by OTHER processes while the benchmark runs: machine busy time minus our ranks' own."""
-
-    def __init__(self, world: World) -> None:
-        self.world = world
-        world.barrier()
-        self.t0, self.busy0, self.own0 = time.perf_counter(), machine_busy_s(), self._own()
-
-    @staticmethod
-    def _own() -> float:
-        t = os.times()
-        return t.user + t.system
-
-    def stop(self) -> dict[str, float]:
-        """Wall seconds, foreign CPU seconds and foreign share of the machine's cores."""
-        own_local = self._own() - self.own0
-        own = sum(self.world.gather(own_local) or [own_local])
-        wall = time.perf_counter() - self.t0
-        foreign = max(0.0, machine_busy_s() - self.busy0 - own)
-        return {"wall_s": wall, "foreign_cpu_s": foreign, "foreign_share": foreign / (wall * (os.cpu_count() or 1))}
-
-
+# ----------------------------------------------------------------------------- environment
 def environment(world: World, threads: int) -> dict[str, Any]:
     """Versions, CPU, binding and thread counts (gathered to rank 0)."""
     import torch
 
-    cpu = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    except OSError:
-        pass
-    env: dict[str, Any] = {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "nproc": os.cpu_count(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "world_size": world.size,
-        "affinity_per_rank": world.gather(sorted(os.sched_getaffinity(0))),
-        "torch_threads_per_rank": world.gather(torch.get_num_threads()),
-        "threads_requested": threads,
-        "loadavg_start": os.getloadavg(),
-        "mca_env": {k: v for k, v in os.environ.items() if k.startswith(("OMPI_MCA", "DML_", "OMP_"))},
-    }
+    versions = {"torch": torch.__version__, "numpy": np.__version__}
+    env = common.environment(world, versions, {"threads_requested": threads})
     if not isinstance(world, Solo):
         import mpi4py
 
         env["mpi4py"] = mpi4py.__version__
-        env["mpi_library"] = world.MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
+        env["mpi_library"] = common.mpi_library(world.MPI)
     return env
 
 
@@ -582,7 +456,7 @@ def report_model(res: dict[str, Any], args: argparse.Namespace, ranks: int) -> N
         f"maxdiff vs {BASE}",
     ]
     keep = [0, 1, 2, 7] if args.serial else list(range(len(headers)))  # the serial run has no peers to compare
-    print(table([headers[i] for i in keep], [[r[i] for i in keep] for r in rows]))
+    print(common.table([headers[i] for i in keep], [[r[i] for i in keep] for r in rows]))
     notes = [f"{n}: {r['note']}" for n, r in cs.items() if r["note"]]
     if notes:
         print("\n" + "; ".join(notes))
@@ -635,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             if unknown:
                 ap.error(f"unknown contender(s) {sorted(unknown)}; known: {list(CONTENDERS)}")
             names = [n for n in names if n in want]
-        names += [f"dml_bb{short_bytes(parse_bytes(s))}" for s in args.dml_buckets.split(",") if s.strip()]
+        names += [f"dml_bb{short_bytes(common.parse_bytes(s))}" for s in args.dml_buckets.split(",") if s.strip()]
     ranks = args.ranks if args.serial else world.size
     env = environment(world, args.threads)
     if world.rank == 0:
@@ -650,10 +524,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.serial and world.size < 2 and world.rank == 0:
         print("note: 1 rank; run under `mpiexec -n 2` for the data-parallel comparison", flush=True)
 
-    meter = ForeignLoad(world)
+    meter = common.ForeignLoad(world)
     results: dict[str, dict[str, Any]] = {}
     for m in models:
-        model_meter = ForeignLoad(world)
+        model_meter = common.ForeignLoad(world)
         results[m] = run_model(world, m, names, args)
         results[m]["foreign_load"] = model_meter.stop()
         if world.rank == 0:
@@ -667,9 +541,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tg = [] if args.serial else targets(results)
     if tg:
-        print("\n### targets (reported, not asserted; ratios = median over steps of the within-step ratio)\n")
-        print(table(["target", "measured", "result"], [[t, m, "PASS" if ok else "MISS"] for t, m, ok in tg]))
-        print(f"\n{sum(ok for *_, ok in tg)}/{len(tg)} targets PASS")
+        common.print_targets(tg, "median over steps of the within-step ratio")
     if not args.serial:
         print(
             "\nreference: time one process with 2 threads on the whole batch too (`python benchmarks/ddp.py "
@@ -682,21 +554,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{env['loadavg_end'][0]:.2f}"
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "env": env,
-                    "args": vars(args),
-                    "ratio_definition": "median over steps of t(contender)/t(reference) within the same step",
-                    "results": results,
-                    "targets": [{"target": t, "measured": m, "pass": ok} for t, m, ok in tg],
-                    "foreign_load": foreign,
-                    "elapsed_s": elapsed,
-                },
-                f,
-                indent=1,
-            )
-        print(f"saved {args.json}")
+        common.write_json(
+            args.json,
+            {
+                "env": env,
+                "args": vars(args),
+                "ratio_definition": "median over steps of t(contender)/t(reference) within the same step",
+                "results": results,
+                "targets": [{"target": t, "measured": m, "pass": ok} for t, m, ok in tg],
+                "foreign_load": foreign,
+                "elapsed_s": elapsed,
+            },
+        )
     return 0
 
 

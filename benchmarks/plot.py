@@ -28,6 +28,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py, when run as a script
+from common import fmt_bytes
+
 ALLREDUCE_BASE = "mpi4py_numpy"
 DDP_BASE = "ddp_gloo"
 # Fixed colors, so a contender keeps its color across figures and reruns.
@@ -52,14 +55,6 @@ def color(name: str, order: list[str]) -> str:
         return COLORS[name]
     extra = [n for n in order if n not in COLORS]
     return EXTRA_COLORS[extra.index(name) % len(EXTRA_COLORS)]
-
-
-def fmt_bytes(n: int) -> str:
-    """``4096`` -> ``"4 KiB"``."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size and n % size == 0:
-            return f"{n // size} {unit}"
-    return f"{n} B"
 
 
 def load(path: str, kind: str) -> dict[str, Any]:

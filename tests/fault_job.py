@@ -61,20 +61,14 @@ def main(mode: str) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
     opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1))
-    if mode == "sigkill":
+    faults = {"sigkill": lambda: os.kill(os.getpid(), signal.SIGKILL), "sys-exit": lambda: sys.exit(3)}
+    if mode in faults:
         for k in range(STEPS):
             step(model, opt, torch.randn(4, 8), torch.randn(4, 1))
             dml.print(backend, f"step {k} done")
             if rank == 1 and k + 1 == KILL_AFTER:
                 print(f"FAULT AT {time.time():.3f}", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
-    elif mode == "sys-exit":
-        for k in range(STEPS):
-            step(model, opt, torch.randn(4, 8), torch.randn(4, 1))
-            dml.print(backend, f"step {k} done")
-            if rank == 1 and k + 1 == KILL_AFTER:
-                print(f"FAULT AT {time.time():.3f}", flush=True)
-                sys.exit(3)
+                faults[mode]()
     elif mode == "worker-error":
         ddc = dml.DistributedDataContainer(backend, CorruptAt(BAD_SAMPLE))
         loader = torch.utils.data.DataLoader(ddc, batch_size=4, num_workers=1)
