@@ -156,7 +156,26 @@ def pinned_like(owner: Any, slot: str, t: torch.Tensor) -> torch.Tensor:
     return buf[:nbytes].view(t.dtype).view(t.shape)
 
 
+# NumPy dtypes of the torch dtypes above (bfloat16 has none), for the fast path of _torch_view.
+_TORCH_AS_NP = {np.dtype(n): n for n in _TORCH_DTYPES.values() if n != "bfloat16"}
+
+
 def _torch_view(buf: torch.Tensor, name: str, contiguous: bool) -> tuple[np.ndarray, str]:
+    # Fast path (the per-call cost of every collective on a tensor): one numpy() call, which
+    # itself refuses what needs care below (bfloat16, requires_grad, non-CPU devices).
+    try:
+        arr = buf.numpy()
+    except (TypeError, RuntimeError):
+        return _torch_view_checked(buf, name, contiguous)
+    dt = _TORCH_AS_NP.get(arr.dtype)
+    if dt is None:
+        raise TypeError(f"{name}: dtype {buf.dtype} is not supported; allowed: {_ALLOWED_DTYPES}")
+    if contiguous and not arr.flags.c_contiguous:
+        raise not_contiguous(name, buf.shape)
+    return arr, dt
+
+
+def _torch_view_checked(buf: torch.Tensor, name: str, contiguous: bool) -> tuple[np.ndarray, str]:
     if not buf.is_cpu:
         raise _type_error(buf, name)
     dt = _TORCH_DTYPES.get(buf.dtype)
