@@ -92,7 +92,12 @@ def allreduce(backend: Backend, sendbuf: Any, recvbuf: Any = None, op: Any = Non
         op: ``dml.SUM``, ``PROD``, ``MAX``, ``MIN``, ``AVG`` (or ``"sum"``, ``operator.add``, ``max``...).
 
     Example:
-        >>> dml.allreduce(backend, grads, dml.AVG)
+        >>> grads = torch.tensor([1.0, 2.0])
+        >>> dml.allreduce(backend, grads, dml.AVG)  # in a world of one: the identity
+        tensor([1., 2.])
+        >>> out = np.empty(2)
+        >>> dml.allreduce(backend, np.array([3.0, 4.0]), out, "sum")
+        array([3., 4.])
     """
     check_backend(backend, "allreduce")
     if op is None:
@@ -141,7 +146,9 @@ def bcast(backend: Backend, sendbuf: Any, recvbuf: Any = None, *, root: int = 0)
     rank, root included, from root's ``sendbuf`` (other ranks' ``sendbuf`` is not read).
 
     Example:
-        >>> dml.bcast(backend, weights, root=0)
+        >>> weights = torch.zeros(3)
+        >>> dml.bcast(backend, weights, root=0)  # every rank ends with rank 0's weights
+        tensor([0., 0., 0.])
     """
     check_backend(backend, "bcast")
     root = _check_root(backend, root)
@@ -173,7 +180,9 @@ def reduce(backend: Backend, sendbuf: Any, recvbuf: Any = None, op: Any = None, 
     writes root's ``recvbuf``; other ranks' ``recvbuf`` are untouched.
 
     Example:
-        >>> dml.reduce(backend, loss_sum, dml.SUM, root=0)
+        >>> loss_sum = np.array(1.5)
+        >>> dml.reduce(backend, loss_sum, dml.SUM, root=0)  # rank 0 gets the total
+        array(1.5)
     """
     check_backend(backend, "reduce")
     recvbuf, op = _split_op(recvbuf, op)
@@ -216,8 +225,10 @@ def allgather(backend: Backend, sendbuf: Any, recvbuf: T) -> T:
     k's ``sendbuf``.
 
     Example:
+        >>> x = torch.tensor([1.0, 2.0])
         >>> out = torch.empty(dml.total_workers(backend), *x.shape)
         >>> dml.allgather(backend, x, out)
+        tensor([[1., 2.]])
     """
     check_backend(backend, "allgather")
     try:

@@ -289,12 +289,17 @@ class DistributedDataContainer(torch.utils.data.Dataset):
         ValueError: members of a tuple / dict ``data`` hold different numbers of observations.
 
     Example:
+        >>> x, y = np.random.rand(100, 3).astype(np.float32), np.arange(100)
         >>> ddc = dml.DistributedDataContainer(backend, (x, y), shuffle=True, seed=42)
+        >>> len(ddc), ddc.num_padded  # this rank's share (all of it in a world of one)
+        (100, 0)
         >>> loader = torch.utils.data.DataLoader(ddc, batch_size=64)
-        >>> for epoch in range(10):
-        ...     ddc.set_epoch(epoch)
+        >>> for epoch in range(2):
+        ...     ddc.set_epoch(epoch)  # a new shuffle, the same on every rank
         ...     for xb, yb in loader:
-        ...         ...
+        ...         pass
+        >>> xb.shape, yb.shape
+        (torch.Size([36, 3]), torch.Size([36]))
     """
 
     def __init__(
@@ -404,7 +409,8 @@ class DistributedDataContainer(torch.utils.data.Dataset):
             epoch: the epoch number, the same on every rank.
 
         Example:
-            >>> ddc.set_epoch(3)
+            >>> ddc = dml.DistributedDataContainer(backend, np.arange(10), shuffle=True)
+            >>> ddc.set_epoch(3)  # before each epoch's loop, on every rank
         """
         epoch = _check_int(epoch, "set_epoch: epoch", _INT64_MIN, _INT64_MAX)
         if not _SEED_MIN <= self._seed + epoch <= _SEED_MAX:

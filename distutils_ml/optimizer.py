@@ -175,8 +175,10 @@ def allreduce_gradients(
     the same order on every rank (a module's ``parameters()`` are).
 
     Example:
-        >>> loss.backward()
-        >>> dml.allreduce_gradients(backend, model)
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> model(torch.ones(2, 4)).sum().backward()
+        >>> dml.allreduce_gradients(backend, model)  # every .grad is now the average over ranks
         >>> opt.step()
     """
     params = _params_of(module_or_params)
@@ -201,9 +203,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             halves, then cast back); None keeps each gradient's dtype.
 
     Example:
+        >>> model = dml.synchronize(backend, torch.nn.Linear(4, 1))
         >>> opt = dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters()))
         >>> opt = dml.synchronize(backend, opt)
-        >>> loss.backward(); opt.step()
+        >>> opt.zero_grad()
+        >>> model(torch.ones(2, 4)).sum().backward()
+        >>> opt.step()  # averages the gradients over all ranks, then steps
     """
 
     def __init__(

@@ -21,8 +21,8 @@ def print(backend: Backend, *args: Any, all_ranks: bool = True, **kwargs: Any) -
         **kwargs: ``sep``, ``end``, ``file`` of the built-in ``print``.
 
     Example:
-        >>> dml.print(backend, "epoch", 3, "loss", 0.25, all_ranks=False)
-        [0/2 12:00:01.250] epoch 3 loss 0.25
+        >>> dml.print(backend, "epoch", 3, "loss", 0.25, all_ranks=False)  # [rank/size time]
+        [0/1 ...] epoch 3 loss 0.25
     """
     check_backend(backend, "print")
     rank = backend.rank

@@ -298,8 +298,10 @@ def synchronize(backend: Backend, x: T, root: int = 0) -> T:
             every rank, before any array is sent, naming the first difference).
 
     Example:
-        >>> model = dml.synchronize(backend, model)
-        >>> opt = dml.synchronize(backend, opt)
+        >>> model = dml.synchronize(backend, torch.nn.Linear(4, 2))  # rank 0's weights everywhere
+        >>> opt = dml.synchronize(backend, torch.optim.Adam(model.parameters()))
+        >>> dml.synchronize(backend, {"epoch": 3, "scale": torch.ones(2)}, root=0)
+        {'epoch': 3, 'scale': tensor([1., 1.])}
     """
     check_backend(backend, "synchronize")
     root = _check_root(backend, root)

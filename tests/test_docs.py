@@ -254,3 +254,30 @@ def test_api_reference_lists_every_public_name() -> None:
     assert not missing, f"docs/api.md has no '::: distutils_ml.NAME' block for {missing}"
     unknown = sorted(documented - set(dml.__all__))
     assert not unknown, f"docs/api.md documents names that distutils_ml does not export: {unknown}"
+
+
+API_NAMES = re.findall(r"^:::\s+distutils_ml\.(\w+)\s*$", (DOCS / "api.md").read_text(encoding="utf-8"), re.MULTILINE)
+
+
+@pytest.mark.parametrize("name", API_NAMES)
+def test_docstring_examples_run(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``>>>`` examples the API reference shows run as doctests, in a world of one.
+
+    Each object's examples (its methods' too) share one namespace holding ``dml``, ``np``,
+    ``torch`` and ``backend`` (a ``LocalBackend`` world of one), in a temporary directory.
+    """
+    import doctest
+
+    import numpy as np
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    finder = doctest.DocTestFinder(recurse=True, exclude_empty=True)
+    tests = [t for t in finder.find(getattr(dml, name), f"dml.{name}", module=False) if "._" not in t.name]
+    globs = {"dml": dml, "np": np, "torch": torch, "backend": dml.LocalBackend()}
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    for test in sorted(tests, key=lambda t: t.lineno or 0):
+        test.globs = globs
+        out = lambda text: pytest.fail(f"dml.{name}: a docstring example failed:\n{text}")  # noqa: E731
+        runner.run(test, out=out, clear_globs=False)
+    assert runner.tries == sum(len(t.examples) for t in tests)
