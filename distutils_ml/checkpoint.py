@@ -5,8 +5,10 @@ stateful data loader into its ``state_dict()``, a ``DistributedDataContainer`` i
 ``{"epoch": ...}``), so ``dml.save(backend, {"model": model, "opt": opt}, path)`` writes
 what ``torch.load(path, weights_only=True)`` can read back. Rank 0 writes a temporary
 file beside ``path``, flushes and fsyncs it, then renames it over ``path``: a crash
-leaves either the old checkpoint or the new one, never half of one. Every rank learns
-the outcome from rank 0, so an error is raised on every rank and no rank is left
+leaves either the old checkpoint or the new one, never half of one. A write that fails
+removes its temporary file; one cut short by a signal (the job aborted, killed) leaves
+it behind, and the next successful ``save`` to the same path removes it. Every rank
+learns the outcome from rank 0, so an error is raised on every rank and no rank is left
 waiting in the next collective.
 """
 
@@ -14,9 +16,12 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import copy
+import dataclasses
 import os
 import pickle
 import random
+import re
 import secrets
 from collections import OrderedDict
 from typing import Any
@@ -46,20 +51,40 @@ def _check_path(path: Any, caller: str) -> str:
 
 
 def _state_of(obj: Any) -> Any:
-    """``obj`` with live objects replaced by their state, containers rebuilt recursively."""
+    """``obj`` with live objects replaced by their state, containers rebuilt recursively (same types)."""
     if isinstance(obj, (torch.Tensor, np.ndarray, type)):
         return obj
     if callable(getattr(obj, "state_dict", None)):  # modules, optimizers, schedulers, StatefulDataLoader
         return obj.state_dict()
     if isinstance(obj, DistributedDataContainer):
         return {"epoch": obj.epoch}
+    if isinstance(obj, torch.utils.data.DataLoader):
+        raise TypeError(
+            "save: a torch.utils.data.DataLoader has no state to save (resumed, it starts its epoch from the "
+            "beginning); save the DistributedDataContainer instead (its epoch), and for a mid-epoch resume "
+            "use torchdata's StatefulDataLoader, which saves its position"
+        )
     if type(obj) in (dict, OrderedDict):
         return type(obj)((k, _state_of(v)) for k, v in obj.items())
     if type(obj) is list:
         return [_state_of(v) for v in obj]
     if type(obj) is tuple:
         return tuple(_state_of(v) for v in obj)
+    if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):  # namedtuple
+        return type(obj)(*(_state_of(v) for v in obj))
+    if dataclasses.is_dataclass(obj):
+        new = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(new, f.name, _state_of(getattr(obj, f.name)))  # frozen dataclasses too
+        return new
     return obj
+
+
+def _leftover_temporaries(path: str) -> list[str]:
+    """Temporary files of earlier saves to ``path`` that were cut short (a killed or aborted job)."""
+    directory, name = os.path.split(os.path.abspath(path))
+    pattern = re.compile(rf"\.{re.escape(name)}\.[0-9a-f]{{12}}\.tmp")
+    return [os.path.join(directory, n) for n in os.listdir(directory) if pattern.fullmatch(n)]
 
 
 def _write_atomic(state: Any, path: str) -> None:
@@ -67,19 +92,25 @@ def _write_atomic(state: Any, path: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"the directory {directory!r} of {path!r} does not exist; create it first")
+    leftovers = _leftover_temporaries(path)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
     # os.open, not tempfile: the checkpoint gets the usual permissions (0o666 less the umask).
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    renamed = False
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+        renamed = True
+    finally:
+        if not renamed:  # any failure, KeyboardInterrupt included: leave no partial file behind
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    for old in leftovers:  # listed before this save began, so never its own
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+            os.unlink(old)
     if hasattr(os, "O_DIRECTORY"):  # make the rename itself durable (POSIX)
         dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -108,17 +139,24 @@ def _raise_everywhere(status: tuple[str, str, str], message: str, cause: BaseExc
 def save(backend: Backend, obj: Any, path: str | os.PathLike[str]) -> None:
     """Write ``obj`` to ``path`` on rank 0, atomically; every rank returns once it is written.
 
-    Live objects anywhere inside dicts, lists and tuples are saved as their state: a
-    ``torch.nn.Module``, a ``torch.optim.Optimizer`` (``dml.DistributedOptimizer``
-    included: the wrapped optimizer's), and anything else with a ``state_dict()``
-    method (LR schedulers, torchdata's ``StatefulDataLoader``) as its ``state_dict()``;
-    a ``dml.DistributedDataContainer`` as ``{"epoch": container.epoch}``. Restore them
-    with ``load_state_dict`` and ``set_epoch``. Only rank 0's ``obj`` is read; the
-    other ranks' ``obj`` is ignored.
+    Live objects anywhere inside dicts, lists, tuples, namedtuples and dataclasses
+    (rebuilt with the same types; ``load`` reads the last two back only with
+    ``weights_only=False`` or ``torch.serialization.add_safe_globals``) are saved as
+    their state: a ``torch.nn.Module``, a
+    ``torch.optim.Optimizer`` (``dml.DistributedOptimizer`` included: the wrapped
+    optimizer's), and anything else with a ``state_dict()`` method (LR schedulers,
+    torchdata's ``StatefulDataLoader``: its position in the epoch) as its
+    ``state_dict()``; a ``dml.DistributedDataContainer`` as ``{"epoch": container.epoch}``.
+    Restore them with ``load_state_dict`` and ``set_epoch``. A plain
+    ``torch.utils.data.DataLoader`` holds no position and is refused (``TypeError``):
+    with it, a resumed run starts the saved epoch from its first batch. Only rank 0's
+    ``obj`` is read; the other ranks' ``obj`` is ignored.
 
     The file is written by ``torch.save`` to a temporary file in the same directory,
     flushed, fsynced and renamed over ``path``, so ``path`` holds either the previous
-    checkpoint or the complete new one, never a partial file.
+    checkpoint or the complete new one, never a partial file. The temporary file is
+    removed when the write fails; temporary files that earlier saves to ``path`` left
+    behind when their job was killed are removed once this save succeeds.
 
     Args:
         backend: from ``dml.get_distributed_backend``.
@@ -129,13 +167,15 @@ def save(backend: Backend, obj: Any, path: str | os.PathLike[str]) -> None:
         TypeError: ``backend`` is not a backend instance, or ``path`` is not a str or
             os.PathLike (raised before any communication).
         ValueError: ``path`` is empty.
-        Exception: if rank 0 fails to write (an unpicklable object, a full disk, a
-            missing directory), every rank raises the same class of error (a builtin
+        Exception: if rank 0 fails to write (an unpicklable object, a plain
+            DataLoader, a full disk, a missing directory), every rank raises the same class of error (a builtin
             or pickle error, else ``RuntimeError``) naming ``path`` and rank 0's error;
             an existing checkpoint at ``path`` is left as it was.
 
     Example:
-        >>> dml.save(backend, {"model": model, "opt": opt, "step": step, "rng": dml.rng_state()}, "ckpt.pt")
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = torch.optim.Adam(model.parameters())
+        >>> dml.save(backend, {"model": model, "opt": opt, "step": 10, "rng": dml.rng_state()}, "ckpt.pt")
     """
     check_backend(backend, "save")
     path = _check_path(path, "save")
@@ -178,8 +218,13 @@ def load(backend: Backend, path: str | os.PathLike[str], *, weights_only: bool =
             rank, naming ``path`` and rank 0's error.
 
     Example:
-        >>> ckpt = dml.load(backend, "ckpt.pt")
-        >>> model.load_state_dict(ckpt["model"]); opt.load_state_dict(ckpt["opt"])
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = torch.optim.Adam(model.parameters())
+        >>> dml.save(backend, {"model": model, "opt": opt, "step": 10}, "ckpt.pt")
+        >>> ckpt = dml.load(backend, "ckpt.pt")  # read by rank 0, broadcast to every rank
+        >>> model.load_state_dict(ckpt["model"]); opt.load_state_dict(ckpt["opt"]); ckpt["step"]
+        <All keys matched successfully>
+        10
     """
     check_backend(backend, "load")
     path = _check_path(path, "load")
@@ -212,7 +257,7 @@ def rng_state() -> dict[str, Any]:
         where CUDA is initialized.
 
     Example:
-        >>> dml.save(backend, {"model": model, "rng": dml.rng_state()}, "ckpt.pt")
+        >>> dml.save(backend, {"model": torch.nn.Linear(4, 2), "rng": dml.rng_state()}, "ckpt.pt")
     """
     kind, key, pos, has_gauss, cached_gaussian = np.random.get_state()
     version, internal, gauss_next = random.getstate()
@@ -243,7 +288,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
         ValueError: ``state`` lacks one of the keys ``"torch"``, ``"numpy"``, ``"python"``.
 
     Example:
+        >>> dml.save(backend, {"rng": dml.rng_state()}, "ckpt.pt")
+        >>> first = torch.rand(2)
         >>> dml.set_rng_state(dml.load(backend, "ckpt.pt")["rng"])
+        >>> torch.equal(torch.rand(2), first)  # the same draws again
+        True
     """
     if not isinstance(state, dict):
         raise TypeError(f"set_rng_state: state: got {type(state).__qualname__}; allowed: a dict from dml.rng_state()")

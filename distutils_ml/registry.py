@@ -8,6 +8,7 @@ simulated rank's thread sees its own ``LocalBackend``.
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any, TypeVar
 
 from distutils_ml.backends.base import Backend, check_backend
@@ -18,7 +19,8 @@ __all__ = ["initialize", "initialized", "get_distributed_backend", "local_rank",
 B = TypeVar("B", bound=Backend)
 
 _instances: dict[type[Backend], Backend] = {}
-_lock = threading.Lock()
+_options: dict[type[Backend], dict[str, Any]] = {}  # the options the instance was built with
+_lock = threading.RLock()  # re-entrant: NCCLBackend's constructor initializes MPIBackend
 
 
 def _check_type(backend_type: Any, caller: str) -> None:
@@ -41,7 +43,8 @@ def _spawned(backend_type: type[Backend]) -> Backend | None:
 def initialize(backend_type: type[Backend], **options: Any) -> None:
     """Set up ``backend_type`` for this process (start MPI, pick a GPU...).
 
-    Calling it again for an initialized type does nothing.
+    Calling it again for an initialized type does nothing; a ``RuntimeWarning`` says so
+    when that call passes options that differ from the first call's (they are ignored).
 
     Args:
         backend_type: ``dml.MPIBackend``, ``dml.NCCLBackend`` or ``dml.LocalBackend`` (the class).
@@ -56,6 +59,25 @@ def initialize(backend_type: type[Backend], **options: Any) -> None:
     with _lock:
         if backend_type not in _instances:
             _instances[backend_type] = backend_type(**options)
+            _options[backend_type] = dict(options)
+            return
+        first = _options.get(backend_type, {})
+    if options and not _same_options(options, first):
+        name = backend_type.__name__
+        warnings.warn(
+            f"initialize: dml.{name} is already initialized with options {first}; this call's options "
+            f"{options} are ignored (a second initialize does nothing)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def _same_options(given: dict[str, Any], first: dict[str, Any]) -> bool:
+    """Whether every option of ``given`` was passed with the same value to the first call."""
+    try:
+        return all(k in first and bool(first[k] == v) for k, v in given.items())
+    except Exception:  # values that cannot be compared (arrays): treat as different
+        return False
 
 
 def initialized(backend_type: type[Backend]) -> bool:

@@ -3,8 +3,12 @@
 A *stall* is a rank waiting in a collective longer than the timeout (option
 ``timeout=`` of ``initialize``, or ``DML_TIMEOUT`` seconds; default 300, 0 turns it
 off). At a quarter of the timeout the waiting rank warns; at the timeout it asks every
-rank what it is doing, prints which collective it waits in (kind, shape, dtype, op,
-root, sequence number) and which ranks have not arrived, then ends the job.
+rank what it is doing. If some rank has not arrived (it is elsewhere, in an earlier or
+a different collective, or does not answer) and the collective is still running, it
+prints which collective it waits in (kind, shape, dtype, op, root, sequence number)
+and which ranks are missing, then ends the job. A collective that every rank has
+joined is slow, not stalled (a large transfer, slow unpickling): the rank warns and
+keeps waiting, and asks again after another timeout.
 
 *Debug mode* (``debug=True`` or ``DML_DEBUG=1``) compares a fingerprint of every
 collective across ranks before any data moves; on a mismatch every rank raises a
@@ -14,6 +18,7 @@ collective across ranks before any data moves; on a mismatch every rank raises a
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import sys
 import threading
@@ -33,6 +38,7 @@ __all__ = [
 DEFAULT_TIMEOUT = 300.0
 TIMEOUT_ENV = "DML_TIMEOUT"
 DEBUG_ENV = "DML_DEBUG"
+_ALLOWED_TIMEOUT = "a finite number of seconds >= 0 (0 turns stall detection off)"
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -43,20 +49,28 @@ class StallError(RuntimeError):
     """A collective waited longer than the timeout for ranks that never arrived."""
 
 
-def resolve_timeout(timeout: float | None) -> float:
-    """Seconds before a waiting collective counts as stalled (0: never), from the option or ``DML_TIMEOUT``."""
+def resolve_timeout(timeout: float | None, name: str = "timeout") -> float:
+    """Seconds before a waiting collective counts as stalled (0: never), from the option or ``DML_TIMEOUT``.
+
+    Raises:
+        ValueError: the option or ``DML_TIMEOUT`` is not a finite number >= 0 (NaN and
+            infinity included: use 0 to turn stall detection off).
+    """
     if timeout is None:
         raw = os.environ.get(TIMEOUT_ENV)
         if raw is None:
             return DEFAULT_TIMEOUT
         try:
-            timeout = float(raw)
+            value = float(raw)
         except ValueError:
-            raise ValueError(
-                f"{TIMEOUT_ENV}: got {raw!r}; allowed: seconds as a number, 0 to turn stall detection off"
-            ) from None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
-        raise ValueError(f"timeout: got {timeout!r}; allowed: seconds >= 0 (0 turns stall detection off)")
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{TIMEOUT_ENV}: got {raw!r}; allowed: {_ALLOWED_TIMEOUT}")
+        return value
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ValueError(f"{name}: got {timeout!r}; allowed: {_ALLOWED_TIMEOUT}")
+    if not (math.isfinite(timeout) and timeout >= 0):
+        raise ValueError(f"{name}: got {timeout!r}; allowed: {_ALLOWED_TIMEOUT}")
     return float(timeout)
 
 
@@ -93,6 +107,11 @@ def _describe_inflight(record: tuple | None) -> str:
     )
 
 
+def reply_window(timeout: float) -> float:
+    """Seconds a stalled rank waits for the other ranks' answers before it reports: ``min(10, max(2, timeout/4))``."""
+    return min(10.0, max(2.0, timeout / 4))
+
+
 _REQUEST, _REPLY = 1, 2
 
 
@@ -109,6 +128,8 @@ class MPIWatchdog:
         self.comm = comm  # a Dup of the backend's communicator: never mixes with user traffic
         self.timeout = timeout
         self.poll = min(1.0, timeout / 20)
+        self._token = 0  # numbers this rank's status requests: late answers to an old one are dropped
+        self._sends: list[Any] = []  # requests and replies not known to be delivered yet
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dml-watchdog", daemon=True)
         self._thread.start()
@@ -124,72 +145,114 @@ class MPIWatchdog:
         record = self.backend._inflight
         return self.backend._seq, _describe_inflight(record)
 
+    def _send(self, obj: Any, dest: int, tag: int) -> None:
+        """A non-blocking send whose request is kept until it completes (never blocks on a dead rank)."""
+        self._sends = [req for req in self._sends if not req.Test()]
+        self._sends.append(self.comm.isend(obj, dest=dest, tag=tag))
+
     def _answer_requests(self) -> None:
         MPI = self.backend._MPI
         st = MPI.Status()
         while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_REQUEST, status=st):
             src = st.Get_source()
-            self.comm.recv(source=src, tag=_REQUEST)
-            self.comm.send(self._status(), dest=src, tag=_REPLY)
+            token = self.comm.recv(source=src, tag=_REQUEST)
+            self._send((token, *self._status()), src, _REPLY)
 
     def _run(self) -> None:
         warned_seq = -1
-        while not self._stop.wait(self.poll):
-            try:
+        next_check = (-1, self.timeout)  # (seq, seconds waited) at which to ask the other ranks
+        try:
+            while not self._stop.wait(self.poll):
                 self._answer_requests()
-            except Exception:  # MPI finalized at exit: stop watching
-                return
-            record = self.backend._inflight
-            if record is None:
-                continue
-            seq, start = record[0], record[5]
-            waited = time.monotonic() - start
-            if waited >= self.timeout:
-                self._report_and_abort(record, waited)
-                return
-            if waited >= self.timeout / 4 and warned_seq != seq:
-                warned_seq = seq
-                rank = self.backend.rank
-                sys.stderr.write(
-                    f"[rank {rank}] distutils_ml: warning: waiting {waited:.0f} s in {_describe_inflight(record)[3:]}; "
-                    f"the job ends after {self.timeout:.0f} s (timeout= of initialize, or {TIMEOUT_ENV})\n"
-                )
-                sys.stderr.flush()
+                record = self.backend._inflight
+                if record is None:
+                    continue
+                seq, start = record[0], record[5]
+                waited = time.monotonic() - start
+                if next_check[0] != seq:
+                    next_check = (seq, self.timeout)
+                if waited >= next_check[1]:
+                    self._check(record, waited)  # aborts the job if some rank is missing
+                    next_check = (seq, time.monotonic() - start + self.timeout)
+                elif waited >= self.timeout / 4 and warned_seq != seq:
+                    warned_seq = seq
+                    self._write(
+                        f"warning: waiting {waited:.0f} s in {_describe_inflight(record)[3:]}; "
+                        f"the job ends after {self.timeout:g} s if a rank is missing "
+                        f"(timeout= of initialize, or {TIMEOUT_ENV})"
+                    )
+        except Exception as exc:
+            if not (self._stop.is_set() or self.backend._MPI.Is_finalized()):
+                self._write(f"warning: stall detection stopped: the watchdog thread raised {type(exc).__name__}: {exc}")
 
-    def _report_and_abort(self, record: tuple, waited: float) -> None:
+    def _write(self, text: str) -> None:
+        sys.stderr.write(f"[rank {self.backend.rank}] distutils_ml: {text}\n")
+        sys.stderr.flush()
+
+    def _collect(self) -> dict[int, tuple[int, str]]:
+        """Every rank's ``(last started seq, status text)``; ranks that do not answer in time are left out."""
         MPI = self.backend._MPI
         rank, size = self.backend.rank, self.backend.size
-        seq = record[0]
+        self._token += 1
         for r in range(size):
             if r != rank:
-                self.comm.isend(None, dest=r, tag=_REQUEST)
+                self._send(self._token, r, _REQUEST)
         replies: dict[int, tuple[int, str]] = {rank: self._status()}
-        deadline = time.monotonic() + min(10.0, max(2.0, self.timeout / 4))
+        deadline = time.monotonic() + reply_window(self.timeout)
         st = MPI.Status()
         while len(replies) < size and time.monotonic() < deadline:
             self._answer_requests()
             if self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_REPLY, status=st):
                 src = st.Get_source()
-                replies[src] = self.comm.recv(source=src, tag=_REPLY)
+                token, r_seq, what = self.comm.recv(source=src, tag=_REPLY)
+                if token == self._token:
+                    replies[src] = (r_seq, what)
             else:
                 time.sleep(0.01)
-        missing = []
-        lines = []
-        for r in range(size):
+        return replies
+
+    def _check(self, record: tuple, waited: float) -> None:
+        """Ask every rank where it is; abort the job if some rank is missing and ``record`` still runs."""
+        seq = record[0]
+        mine = _describe_inflight(record)
+        replies = self._collect()
+        missing, different, lines = [], [], []
+        for r in range(self.backend.size):
             if r not in replies:
                 missing.append(r)
-                lines.append(f"  rank {r}: no answer (stuck outside Python, or dead)")
+                lines.append(f"  rank {r}: no answer (stuck outside Python, exited, or dead)")
                 continue
             r_seq, what = replies[r]
-            arrived = what.startswith("in ") and what.endswith(f"#{seq}")
-            if not arrived:
+            note = ""
+            if what.startswith("in ") and what.endswith(f" #{seq}") and what != mine:
+                different.append(r)
+                note = " (a different collective: debug=True or DML_DEBUG=1 checks every call)"
+            elif r_seq < seq:
                 missing.append(r)
-            lines.append(f"  rank {r}: {what}{'' if what.startswith('in ') else f' (last started #{r_seq})'}")
+            elif r_seq > seq:
+                note = " (done with this one)"
+            if not what.startswith("in "):
+                note = f" (last started #{r_seq})" + note
+            lines.append(f"  rank {r}: {what}{note}")
+        if self.backend._inflight is not record:
+            return  # the collective ended while the answers came in
+        rank = self.backend.rank
+        if not missing and not different:
+            self._write(
+                f"warning: waited {waited:.0f} s {mine}, but every rank has joined it: slow, not stalled; "
+                f"still waiting (asking again in {self.timeout:g} s)"
+            )
+            return
+        why = []
+        if missing:
+            why.append(f"rank(s) {missing} have not arrived")
+        if different:
+            why.append(f"rank(s) {different} called a different collective")
         msg = (
-            f"[rank {rank}] distutils_ml: stall: waited {waited:.0f} s (timeout {self.timeout:.0f} s) "
-            f"{_describe_inflight(record)}; rank(s) {missing} have not arrived:\n" + "\n".join(lines) + "\n"
+            f"[rank {rank}] distutils_ml: stall: waited {waited:.0f} s (timeout {self.timeout:g} s) "
+            f"{mine}; {' and '.join(why)}:\n" + "\n".join(lines) + "\n"
             f"[rank {rank}] distutils_ml: aborting the job (raise the limit with timeout= or {TIMEOUT_ENV}, 0 = off)\n"
         )
         sys.stderr.write(msg)
         sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+        self.backend._MPI.COMM_WORLD.Abort(1)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import random
 import threading
+from collections import OrderedDict, namedtuple
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,18 @@ class Custom:
 
     def __init__(self, value: int) -> None:
         self.value = value
+
+
+Pair = namedtuple("Pair", ["model", "step"])
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """A frozen dataclass holding live objects (built without calling ``__init__`` on save)."""
+
+    opt: Any
+    pair: Pair
+    note: str = "run"
 
 
 def outcome(fn: Any) -> tuple[str, str]:
@@ -108,6 +122,72 @@ def test_save_converts_live_objects_to_their_state(tmp_path: Path) -> None:
             assert all(torch.equal(got["opt"]["state"][i][k], v) for k, v in state.items())
         assert got["sched"] == sched_sd
         assert got["data"] == {"epoch": 4}
+
+
+def test_live_objects_inside_namedtuples_and_dataclasses_become_their_state(tmp_path: Path) -> None:
+    path = tmp_path / "typed.pt"
+
+    def body(b: dml.Backend) -> Any:
+        model = torch.nn.Linear(2, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        state = TrainState(opt, Pair(model, 9))
+        save(b, {"state": state, "pair": Pair(model, 1)}, path)
+        assert state.opt is opt and state.pair.model is model, "the caller's objects are left alone"
+        return load(b, path, weights_only=False), model.state_dict(), opt.state_dict()
+
+    results = dml.LocalBackend.spawn(2, body, timeout=60)
+    _, model_sd, opt_sd = results[0]  # what every rank loads: rank 0's
+    for got, *_ in results:
+        state, pair = got["state"], got["pair"]
+        assert type(state) is TrainState and type(state.pair) is Pair and type(pair) is Pair
+        assert (state.note, state.pair.step, pair.step) == ("run", 9, 1)
+        for saved in (state.pair.model, pair.model):
+            assert isinstance(saved, OrderedDict) and list(saved) == ["weight", "bias"]
+            assert all(torch.equal(saved[k], v) for k, v in model_sd.items())
+        assert state.opt["param_groups"] == opt_sd["param_groups"]
+
+
+def test_a_plain_dataloader_is_refused_on_every_rank(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+
+    def body(b: dml.Backend) -> Any:
+        ddc = dml.DistributedDataContainer(b, np.arange(8))
+        return outcome(lambda: save(b, {"data": ddc, "loader": torch.utils.data.DataLoader(ddc)}, path))
+
+    for kind, message in dml.LocalBackend.spawn(2, body, timeout=60):
+        assert kind == "TypeError", (kind, message)
+        assert "a torch.utils.data.DataLoader has no state to save" in message
+        assert "StatefulDataLoader" in message
+    assert listing(tmp_path) == []
+
+
+def test_an_interrupted_write_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "ckpt.pt"
+
+    def interrupted(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(f, io.BytesIO):  # the object broadcast's own pickling
+            return real_save(obj, f, *args, **kwargs)
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt
+
+    real_save = torch.save
+    monkeypatch.setattr(torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save(dml.LocalBackend(), {"epoch": 1}, path)
+    assert listing(tmp_path) == []
+
+
+def test_temporary_files_of_killed_saves_are_removed_by_the_next_save(tmp_path: Path) -> None:
+    # What a save cut short by SIGKILL or MPI_Abort leaves: its temporary file, half written.
+    path = tmp_path / "ckpt.pt"
+    for name in (".ckpt.pt.0123456789ab.tmp", ".ckpt.pt.ba9876543210.tmp"):
+        (tmp_path / name).write_bytes(b"half a checkpoint")
+    others = [".other.pt.0123456789ab.tmp", ".ckpt.pt.tmp", "ckpt.pt.0123456789ab.tmp", ".ckpt.pt.0123456789ab.tmp.bak"]
+    for name in others:
+        (tmp_path / name).write_bytes(b"not ours")
+    dml.LocalBackend.spawn(2, save, {"epoch": 3}, path, timeout=60)
+    assert listing(tmp_path) == sorted(["ckpt.pt", *others])
+    assert torch.load(path, weights_only=True) == {"epoch": 3}
 
 
 def test_failing_save_raises_everywhere_and_keeps_the_old_checkpoint(tmp_path: Path) -> None:

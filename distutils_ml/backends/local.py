@@ -11,6 +11,7 @@ ever reads or writes another rank's buffers.
 from __future__ import annotations
 
 import pickle
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +20,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from distutils_ml.backends.base import Backend, ReduceOp
-from distutils_ml.watchdog import CollectiveMismatchError, StallError, describe, resolve_timeout
+from distutils_ml.watchdog import (
+    TIMEOUT_ENV,
+    CollectiveMismatchError,
+    StallError,
+    describe,
+    resolve_debug,
+    resolve_timeout,
+)
 
 __all__ = ["LocalBackend"]
 
@@ -33,6 +41,7 @@ _UFUNCS = {
 }
 
 _current = threading.local()
+_MAX_WAIT = 3600.0  # one Condition.wait at most; a huge stall_timeout would overflow it
 
 
 class RankFailedError(RuntimeError):
@@ -53,23 +62,28 @@ class _World:
         self.failure: tuple[int, BaseException] | None = None
         self.finished: set[int] = set()
 
-    def _check_alive(self, rank: int, what: str) -> None:
+    def _check_alive(self, rank: int, fingerprint: tuple) -> None:
         if self.failure is not None:
             frank, exc = self.failure
             raise RankFailedError(
-                f"LocalBackend rank {rank}: left {what} because rank {frank} raised {type(exc).__name__}: {exc}"
+                f"LocalBackend rank {rank}: left {describe(*fingerprint)} because rank {frank} raised "
+                f"{type(exc).__name__}: {exc}"
             )
         if self.finished:
             gone = sorted(self.finished)
             raise RankFailedError(
-                f"LocalBackend rank {rank}: {what} can never complete because rank(s) {gone} already returned "
-                "from fn; every rank must call the same collectives in the same order"
+                f"LocalBackend rank {rank}: {describe(*fingerprint)} can never complete because rank(s) {gone} "
+                "already returned from fn; every rank must call the same collectives in the same order"
             )
 
-    def rendezvous(self, rank: int, deposit: Any, what: str) -> tuple[Any, ...]:
-        """Deposit this rank's contribution; return every rank's, once all have arrived."""
+    def rendezvous(self, rank: int, deposit: Any, fingerprint: tuple) -> tuple[Any, ...]:
+        """Deposit this rank's contribution; return every rank's, once all have arrived.
+
+        A rank that waits a quarter of ``stall_timeout`` warns on stderr; at ``stall_timeout``
+        it raises ``StallError`` naming the collective and the ranks that never arrived.
+        """
         with self.cond:
-            self._check_alive(rank, what)
+            self._check_alive(rank, fingerprint)
             self.slots[rank] = deposit
             self.arrived += 1
             gen = self.generation
@@ -81,8 +95,9 @@ class _World:
                 self.cond.notify_all()
                 return self.snapshot
             start = time.monotonic()
+            warn_at = self.stall_timeout / 4
             while self.generation == gen:
-                self._check_alive(rank, what)
+                self._check_alive(rank, fingerprint)
                 if not self.stall_timeout:
                     self.cond.wait()
                     continue
@@ -90,13 +105,21 @@ class _World:
                 if waited >= self.stall_timeout:
                     missing = [r for r in range(self.size) if self.slots[r] is None]
                     err = StallError(
-                        f"LocalBackend rank {rank}: stall: waited {waited:.1f} s in {what} #{gen + 1}; "
-                        f"rank(s) {missing} have not arrived (stall_timeout={self.stall_timeout:g} s)"
+                        f"LocalBackend rank {rank}: stall: waited {waited:.1f} s in {describe(*fingerprint)} "
+                        f"#{gen + 1}; rank(s) {missing} have not arrived (stall_timeout={self.stall_timeout:g} s)"
                     )
                     self.failure = self.failure or (rank, err)
                     self.cond.notify_all()
                     raise err
-                self.cond.wait(self.stall_timeout - waited)
+                if waited >= warn_at:
+                    sys.stderr.write(
+                        f"LocalBackend rank {rank}: warning: waiting {waited:.1f} s in {describe(*fingerprint)} "
+                        f"#{gen + 1}; StallError after {self.stall_timeout:g} s "
+                        f"(stall_timeout= of LocalBackend.spawn, or {TIMEOUT_ENV})\n"
+                    )
+                    sys.stderr.flush()
+                    warn_at = self.stall_timeout
+                self.cond.wait(min(warn_at - waited, _MAX_WAIT))
             return self.snapshot
 
     def fail(self, rank: int, exc: BaseException) -> None:
@@ -122,9 +145,46 @@ class LocalBackend(Backend):
 
     Use ``dml.initialize(dml.LocalBackend)`` for a world of one (every collective is
     the identity), or :meth:`spawn` to run a function on N simulated ranks.
+
+    Simulated ranks always compare a fingerprint of every collective (kind, shape,
+    dtype, op, root) and raise ``CollectiveMismatchError`` on every rank when they
+    differ, ``AVG`` included (it is reduced here, not rewritten as a sum first).
+
+    Args:
+        timeout: accepted and checked like ``MPIBackend``'s, so that
+            ``dml.initialize(dml.LocalBackend, timeout=..., debug=...)`` runs code written
+            for MPI unchanged; a world of one never waits, so it has no effect. Simulated
+            worlds take theirs from ``spawn(..., stall_timeout=)``.
+        debug: likewise accepted and checked; a world of one has nothing to compare, and
+            simulated ranks always compare.
+
+    Raises:
+        TypeError: an option ``LocalBackend`` does not take (``segment_bytes``, ``comm``,
+            ...: those belong to ``dml.MPIBackend``), or ``debug`` is not a bool.
+        ValueError: ``timeout`` is not a finite number >= 0.
     """
 
-    def __init__(self, *, _world: _World | None = None, _rank: int = 0) -> None:
+    native_avg = True  # AVG reaches the fingerprint as AVG, so AVG against SUM is a mismatch
+
+    def __init__(
+        self,
+        *,
+        timeout: float | None = None,
+        debug: bool | None = None,
+        _world: _World | None = None,
+        _rank: int = 0,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            raise TypeError(
+                f"LocalBackend: got the option(s) {', '.join(sorted(unknown))}; allowed: timeout, debug "
+                "(other options belong to dml.MPIBackend or dml.NCCLBackend)"
+            )
+        if _world is None:
+            self.timeout = resolve_timeout(timeout)
+            self.debug = resolve_debug(debug)
+        else:
+            self.timeout, self.debug = _world.stall_timeout, True
         self._world = _world
         self._rank = _rank
 
@@ -159,18 +219,20 @@ class LocalBackend(Backend):
             timeout: seconds to wait for all ranks (None: no limit); on expiry a
                 ``TimeoutError`` names the ranks still running.
             stall_timeout: seconds a rank may wait in one collective before a
-                ``StallError`` names the ranks that never arrived (default
-                ``DML_TIMEOUT`` or 300; 0: wait forever).
+                ``StallError`` names the collective (kind, shape, dtype, op, root) and
+                the ranks that never arrived; a waiting rank warns on stderr at a
+                quarter of it (default ``DML_TIMEOUT`` or 300; a finite number >= 0,
+                0: wait forever).
 
         Example:
-            >>> LocalBackend.spawn(3, lambda b: dml.local_rank(b))
+            >>> dml.LocalBackend.spawn(3, lambda b: dml.local_rank(b))
             [0, 1, 2]
         """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size: got {world_size!r}; allowed: an int >= 1")
         if not callable(fn):
             raise TypeError(f"fn: got {type(fn).__qualname__}; allowed: a callable taking (backend, *args)")
-        world = _World(world_size, resolve_timeout(stall_timeout))
+        world = _World(world_size, resolve_timeout(stall_timeout, "stall_timeout"))
         results: list[Any] = [None] * world_size
 
         def run(rank: int) -> None:
@@ -212,7 +274,7 @@ class LocalBackend(Backend):
     def _exchange(self, deposit: Any, fingerprint: tuple) -> tuple[Any, ...]:
         world = self._world
         assert world is not None
-        snap = world.rendezvous(self._rank, (fingerprint, deposit), fingerprint[0])
+        snap = world.rendezvous(self._rank, (fingerprint, deposit), fingerprint)
         prints = [s[0] for s in snap]
         if any(p != prints[0] for p in prints):
             groups: dict[str, list[int]] = {}
@@ -272,11 +334,13 @@ class LocalBackend(Backend):
 
 
 def _reduce_into(out: np.ndarray, parts: tuple[np.ndarray, ...], op: ReduceOp) -> None:
-    """``out = parts[0] op parts[1] op ...``, in rank order (the same bits on every rank)."""
-    ufunc = _UFUNCS[op]
+    """``out = parts[0] op parts[1] op ...``, in rank order (the same bits on every rank); AVG sums, then divides."""
+    ufunc = _UFUNCS[ReduceOp.SUM if op is ReduceOp.AVG else op]
     np.copyto(out, parts[0])
     for part in parts[1:]:
         ufunc(out, part, out=out)
+    if op is ReduceOp.AVG:
+        np.divide(out, len(parts), out=out)
 
 
 def current_spawned_backend() -> LocalBackend | None:

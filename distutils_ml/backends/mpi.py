@@ -92,15 +92,23 @@ class MPIBackend(Backend):
     ) -> None:
         timeout = resolve_timeout(timeout)
         self.debug = resolve_debug(debug)
+        if segment_bytes is None:
+            text = os.environ.get(_SEGMENT_ENV, str(DEFAULT_SEGMENT_BYTES))
+            try:
+                segment_bytes = int(text)
+            except ValueError:
+                raise ValueError(f"{_SEGMENT_ENV}: got {text!r}; allowed: a whole number of bytes >= 0") from None
+        if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int):
+            raise TypeError(
+                f"segment_bytes: got {segment_bytes!r}; allowed: an int, bytes >= 0 (0 turns segmenting off)"
+            )
+        if segment_bytes < 0:
+            raise ValueError(f"segment_bytes: got {segment_bytes}; allowed: bytes >= 0 (0 turns segmenting off)")
         MPI = _import_mpi()
         self._MPI = MPI
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self._rank = self.comm.Get_rank()
         self._size = self.comm.Get_size()
-        if segment_bytes is None:
-            segment_bytes = int(os.environ.get(_SEGMENT_ENV, DEFAULT_SEGMENT_BYTES))
-        if segment_bytes < 0:
-            raise ValueError(f"segment_bytes: got {segment_bytes}; allowed: bytes >= 0 (0 turns segmenting off)")
         self.segment_bytes = segment_bytes
         # The rank among processes of this node (shared memory), for GPU placement.
         node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self._rank)
