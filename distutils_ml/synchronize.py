@@ -312,15 +312,20 @@ def synchronize(backend: Backend, x: T, root: int = 0) -> T:
     #    leaving the others waiting).
     payload: Any = None
     if backend.rank == root:
-        flat = _Flat(x, {})
-        objects = [None if _is_array(leaf) else leaf for leaf in flat.leaves]
         try:
-            payload = ("ok", pickle.dumps(([_state_skeleton(o) for o in opts], [d for _, d in flat.nodes], objects)))
-        except Exception as e:
-            payload = ("error", f"root's value cannot be pickled: {type(e).__name__}: {e}")
-    status, blob = backend._bcast_object(payload, root)
+            flat = _Flat(x, {})  # raises for a leaf no backend can send (e.g. an unsupported dtype)
+        except (TypeError, ValueError) as e:
+            payload = ("error", type(e).__name__, f"root's value: {e}")
+        else:
+            objects = [None if _is_array(leaf) else leaf for leaf in flat.leaves]
+            try:
+                skeletons = [_state_skeleton(o) for o in opts]
+                payload = ("ok", "", pickle.dumps((skeletons, [d for _, d in flat.nodes], objects)))
+            except Exception as e:
+                payload = ("error", "TypeError", f"root's value cannot be pickled: {type(e).__name__}: {e}")
+    status, kind, blob = backend._bcast_object(payload, root)
     if status == "error":
-        raise TypeError(f"synchronize: {blob}")
+        raise (ValueError if kind == "ValueError" else TypeError)(f"synchronize: {blob}")
     skeletons, root_nodes, root_objects = pickle.loads(blob)
 
     # 2. Agree that every rank's structure and arrays match root's, before any array is sent.
@@ -328,8 +333,12 @@ def synchronize(backend: Backend, x: T, root: int = 0) -> T:
     if backend.rank != root:
         states, mismatch = _match_states(opts, skeletons)
         if mismatch is None:
-            flat = _Flat(x, states)
-            mismatch = _first_difference(flat.nodes, root_nodes) or _first_read_only(flat)
+            try:
+                flat = _Flat(x, states)
+            except (TypeError, ValueError) as e:  # reported through the agreement below, on every rank
+                mismatch = f"{type(e).__name__}: {e}"
+            else:
+                mismatch = _first_difference(flat.nodes, root_nodes) or _first_read_only(flat)
     flags = np.zeros(backend.size, dtype=np.int8)
     allgather(backend, np.array(mismatch is not None, dtype=np.int8), flags)
     if flags.any():

@@ -346,3 +346,20 @@ def test_any_structure_round_trips_or_raises_everywhere(
     bad = [odd] if odd != root else [r for r in range(world) if r != root]
     assert all(f"rank(s) {bad} hold a structure that differs from root {root}'s" in m for m in msgs), msgs
     assert all("; here: x" in msgs[r] for r in bad), msgs
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_an_unsendable_leaf_on_one_rank_raises_on_every_rank(bad_rank: int) -> None:
+    def fn(b: dml.Backend) -> str:
+        leaf = torch.zeros(2, dtype=torch.complex64 if b.rank == bad_rank else torch.float32)
+        try:
+            dml.synchronize(b, {"w": leaf})
+        except (TypeError, ValueError) as e:
+            message = str(e)
+        else:
+            message = "no error"
+        assert dml.allreduce(b, np.ones(1), dml.SUM)[0] == dml.total_workers(b), "the world stays usable"
+        return message
+
+    messages = dml.LocalBackend.spawn(3, fn, timeout=30)
+    assert all("complex64" in m or "differs" in m for m in messages), messages
