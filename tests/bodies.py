@@ -4,13 +4,17 @@ A body runs on every rank. Every rank can rebuild every other rank's input from 
 case's seed, so expected results are computed locally, without communication. The
 same bodies run on ``LocalBackend.spawn`` (tests/test_collectives.py) and inside real
 ``mpiexec`` jobs (tests/mpi_main.py), where hypothesis draws the same examples on
-every rank (derandomized).
+every rank (seeded). Cases come from hypothesis (``cases``: random shapes, spellings,
+roots for one dtype) and from a deterministic matrix (``matrix_cases``: every allowed
+op x dtype x call form x 0-d/empty/odd shape), which ``matrix_body`` runs in one body.
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass
+from functools import cache, lru_cache
 from typing import Any
 
 import numpy as np
@@ -22,26 +26,43 @@ from distutils_ml.backends.base import resolve_op
 
 INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8")
 FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
+HALF_DTYPES = ("float16", "bfloat16")
+DTYPES = (*INT_DTYPES, *FLOAT_DTYPES, "bool")
+REDUCTIONS = ("allreduce", "reduce")
 # Every accepted spelling of each op.
 SPELLINGS = {
-    dml.SUM: (dml.SUM, "sum", operator.add, dml.ReduceOp.SUM),
+    dml.SUM: (dml.SUM, "sum", operator.add),
     dml.PROD: (dml.PROD, "prod", operator.mul),
     dml.MAX: (dml.MAX, "max", max),
     dml.MIN: (dml.MIN, "min", min),
     dml.AVG: (dml.AVG, "avg"),
 }
-# Allowed error, relative to the sum of |inputs|, of a float reduction in each dtype.
-RTOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 2e-6, "float64": 1e-13}
+# Bits of significand (the implicit one included) of the half-precision dtypes.
+SIGNIFICAND_BITS = {"float16": 11, "bfloat16": 8}
+# Unit roundoff of the dtypes whose reductions are checked to a tolerance.
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "float64": 2.0**-53}
+
+
+def ops_for(dtype: str) -> tuple[dml.ReduceOp, ...]:
+    """The reductions allowed on ``dtype``: MAX and MIN on bool, AVG on floating point only."""
+    if dtype == "bool":
+        return (dml.MAX, dml.MIN)
+    return (dml.SUM, dml.PROD, dml.MAX, dml.MIN) + ((dml.AVG,) if dtype in FLOAT_DTYPES else ())
+
+
+def kinds_for(dtype: str) -> tuple[str, ...]:
+    """The buffer kinds that hold ``dtype`` (NumPy has no bfloat16)."""
+    return ("torch",) if dtype == "bfloat16" else ("numpy", "torch")
 
 
 @dataclass(frozen=True)
 class Case:
-    """One drawn collective call."""
+    """One collective call."""
 
     shape: tuple[int, ...]
     dtype: str
     kind: str  # "numpy" or "torch"
-    op: Any  # an accepted spelling
+    op: Any  # an accepted spelling; None for bcast and allgather
     root_draw: int  # root = root_draw % world size
     in_place: bool
     strided_send: bool  # two-buffer form: pass a non-contiguous sendbuf
@@ -52,17 +73,12 @@ class Case:
 
 
 @st.composite
-def cases(draw: st.DrawFn, *, reduction: bool = True, max_elems: int = 64) -> Case:
-    """A random collective call: shape (0-d and empty included), dtype, op, kind, root."""
-    op = draw(st.sampled_from(list(SPELLINGS))) if reduction else dml.SUM
-    spelling = draw(st.sampled_from(SPELLINGS[op])) if reduction else None
-    dtypes = list(FLOAT_DTYPES)
-    if op is not dml.AVG or not reduction:
-        dtypes += INT_DTYPES
-    if op in (dml.MAX, dml.MIN) or not reduction:
-        dtypes.append("bool")
-    dtype = draw(st.sampled_from(dtypes))
-    kind = "torch" if dtype == "bfloat16" else draw(st.sampled_from(["numpy", "torch"]))
+def cases(draw: st.DrawFn, dtype: str, *, reduction: bool = True, max_elems: int = 64) -> Case:
+    """A random call on ``dtype`` buffers: op and spelling, buffer kind, shape (0-d and empty included), root, form."""
+    spelling = None
+    if reduction:
+        spelling = draw(st.sampled_from(SPELLINGS[draw(st.sampled_from(ops_for(dtype)))]))
+    kind = draw(st.sampled_from(kinds_for(dtype)))
     ndim = draw(st.integers(0, 3))
     shape = tuple(draw(st.lists(st.integers(0, 5), min_size=ndim, max_size=ndim)))
     if int(np.prod(shape)) > max_elems:
@@ -80,21 +96,77 @@ def cases(draw: st.DrawFn, *, reduction: bool = True, max_elems: int = 64) -> Ca
     )
 
 
+# The deterministic matrix: 0-d, empty and odd shapes (the odd one spans several
+# segments on a backend with 16-byte segments, even in int8) in each call form.
+MATRIX_SHAPES = ((), (2, 0, 3), (3, 7))
+FORMS = ("in_place", "two_buffer", "strided_send")
+
+
+@cache
+def matrix_cases(name: str) -> tuple[Case, ...]:
+    """Every allowed (op, dtype) of collective ``name`` x every form x every shape.
+
+    Buffer kinds, spellings and roots rotate from one case to the next, so each (op,
+    dtype) meets both kinds in each form, each op every spelling, and each rank is root.
+    """
+    out: list[Case] = []
+    forms = FORMS[1:] if name == "allgather" else FORMS  # allgather has no in-place form
+    for dtype in DTYPES:
+        kinds = kinds_for(dtype)
+        for op, form, shape in itertools.product(
+            ops_for(dtype) if name in REDUCTIONS else (None,), forms, MATRIX_SHAPES
+        ):
+            if form == "strided_send" and shape == ():
+                continue  # a 0-d view is contiguous
+            i = len(out)
+            spelling = None if op is None else SPELLINGS[op][i % len(SPELLINGS[op])]
+            out.append(
+                Case(shape, dtype, kinds[i % len(kinds)], spelling, i, form == "in_place", form == "strided_send", i)
+            )
+    return tuple(out)
+
+
 # -- inputs and expected results ---------------------------------------------------------
 
 
-def values(case: Case, rank: int) -> np.ndarray:
-    """Rank ``rank``'s input as float64/int64/bool values that ``case.dtype`` holds exactly."""
+@lru_cache(maxsize=256)  # every rank rebuilds every rank's input: on LocalBackend.spawn, once for all
+def values(case: Case, rank: int, size: int) -> np.ndarray:
+    """Rank ``rank``'s input in a world of ``size``: read-only float64/int64/bool values exact in ``case.dtype``.
+
+    Integers carry a large offset (of alternating sign on signed dtypes) that a reduction
+    through a narrower or floating-point type would lose; no result overflows.
+    Half-precision inputs make the float32 reduction exact in any order: sums and means
+    of values with |v| in [1/16, 10] (their bits, 2^5 down to 2^-14, fit in float32's 24)
+    and products of floor(24 / size)-bit significands. So the result must be exactly the
+    true one rounded once to the half dtype, whereas rounding to half after each step
+    (a native half-precision reduction) differs.
+    """
+    v = np.array(_values(case, rank, size))
+    v.flags.writeable = False
+    return v
+
+
+def _values(case: Case, rank: int, size: int) -> np.ndarray:
     rng = np.random.default_rng([case.seed, rank])
     op = dml.SUM if case.op is None else resolve_op(case.op)
     if case.dtype == "bool":
         return rng.random(case.shape) < 0.5
     if case.dtype in INT_DTYPES:
-        lo = 0 if case.dtype.startswith("u") else -2
-        hi = 2 if op is dml.PROD else 3
-        return rng.integers(lo, hi + 1, size=case.shape).astype(np.int64)
-    if op is dml.PROD:
-        v = rng.uniform(0.5, 2.0, case.shape) * rng.choice([-1.0, 1.0], case.shape)
+        unsigned = case.dtype.startswith("u")
+        v = rng.integers(0 if unsigned else -2, (2 if op is dml.PROD else 3) + 1, size=case.shape)
+        if op is not dml.PROD:
+            offset = int(np.iinfo(case.dtype).max) // 8
+            v += offset if unsigned or rank % 2 == 0 else -offset
+        return v
+    sign = rng.integers(0, 2, case.shape) * 2.0 - 1.0
+    if case.dtype in HALF_DTYPES and op is dml.PROD:
+        bits = min(SIGNIFICAND_BITS[case.dtype], 24 // size)
+        significand = rng.integers(2 ** (bits - 1), 2**bits, case.shape) / 2 ** (bits - 1)
+        v = sign * significand * 2.0 ** rng.integers(-1, 1, case.shape)
+    elif case.dtype in HALF_DTYPES:
+        v = sign * np.maximum(rng.uniform(0.0, 10.0, case.shape), 1 / 16)
+    elif op is dml.PROD:
+        v = sign * rng.uniform(0.5, 2.0, case.shape)
     else:
         v = rng.uniform(-10.0, 10.0, case.shape)
     return as_float64(make(case, v))
@@ -102,19 +174,18 @@ def values(case: Case, rank: int) -> np.ndarray:
 
 def make(case: Case, v: np.ndarray) -> Any:
     """A fresh buffer of the case's kind and dtype holding ``v`` (and ``v``'s shape)."""
-    if case.kind == "numpy":
-        return np.array(v).astype(case.dtype)
-    return torch.from_numpy(np.array(v)).to(getattr(torch, case.dtype)).clone()
+    if case.dtype == "bfloat16":
+        return torch.from_numpy(np.array(v, dtype=np.float64)).to(torch.bfloat16)
+    a = np.array(v).astype(case.dtype)  # rounds to nearest even, as torch does
+    return a if case.kind == "numpy" else torch.from_numpy(a)
 
 
 def as_float64(buf: Any) -> np.ndarray:
     """The values of a buffer, as float64 (int64 for integers, bool for bool)."""
     if isinstance(buf, torch.Tensor):
-        if buf.dtype == torch.bool:
-            return buf.numpy().copy()
-        if buf.is_floating_point():
+        if buf.dtype == torch.bfloat16:
             return buf.to(torch.float64).numpy()
-        return buf.to(torch.int64).numpy()
+        buf = buf.numpy()
     if buf.dtype == np.bool_:
         return buf.copy()
     return buf.astype(np.float64 if buf.dtype.kind == "f" else np.int64)
@@ -129,31 +200,43 @@ def sendbuf(case: Case, v: np.ndarray) -> Any:
 
 
 def expected_reduction(case: Case, inputs: list[np.ndarray]) -> np.ndarray:
+    """The reduction of ``inputs``; for float16/bfloat16, the float32 result rounded once to the dtype."""
     op = resolve_op(case.op)
+    stack = np.stack(inputs)
     if op is dml.MAX:
-        return np.maximum.reduce(inputs) if len(inputs) > 1 else inputs[0]
+        return np.asarray(stack.max(axis=0))
     if op is dml.MIN:
-        return np.minimum.reduce(inputs) if len(inputs) > 1 else inputs[0]
-    if op is dml.PROD:
-        return np.prod(np.stack(inputs), axis=0)
-    total = np.sum(np.stack(inputs), axis=0)
-    return total / len(inputs) if op is dml.AVG else total
+        return np.asarray(stack.min(axis=0))
+    total = np.prod(stack, axis=0) if op is dml.PROD else np.sum(stack, axis=0)
+    if case.dtype not in HALF_DTYPES:
+        return np.asarray(total / len(inputs) if op is dml.AVG else total)
+    exact32 = np.asarray(total, dtype=np.float32)  # exact: see values()
+    assert (exact32 == total).all(), "inputs whose float32 reduction is inexact"
+    if op is dml.AVG:
+        exact32 = exact32 / np.float32(len(inputs))
+    return as_float64(make(case, exact32.astype(np.float64)))
 
 
 def assert_reduced(case: Case, got: Any, inputs: list[np.ndarray]) -> None:
-    """``got`` holds the reduction of ``inputs``: exact for ints/bool/MAX/MIN, else to dtype tolerance."""
+    """``got`` holds the reduction of ``inputs``.
+
+    Exact for integers, bool, MAX/MIN and float16/bfloat16 (the float32 reduction rounded
+    once); float32/float64 SUM, PROD and AVG within the error bound of a reduction in
+    that dtype, 2 * world size * unit roundoff, relative to the sum of |inputs| (to
+    |result| for PROD).
+    """
     exp = expected_reduction(case, inputs)
     g = as_float64(got)
     assert g.shape == exp.shape, (g.shape, exp.shape)
-    op = resolve_op(case.op)
-    if case.dtype in FLOAT_DTYPES and op not in (dml.MAX, dml.MIN):
-        scale = np.sum(np.abs(np.stack(inputs)), axis=0) if op is not dml.PROD else np.abs(exp)
+    op, n = resolve_op(case.op), len(inputs)
+    if case.dtype in UNIT_ROUNDOFF and op not in (dml.MAX, dml.MIN):
+        scale = np.abs(exp) if op is dml.PROD else np.sum(np.abs(np.stack(inputs)), axis=0)
         if op is dml.AVG:
-            scale = scale / len(inputs)
-        bad = np.abs(g - exp) > RTOL[case.dtype] * scale + 1e-30
+            scale = scale / n
+        bad = np.abs(g - exp) > 2 * n * UNIT_ROUNDOFF[case.dtype] * scale
         assert not bad.any(), f"{case}: got {g[bad][:5]}, expected {exp[bad][:5]}"
     else:
-        np.testing.assert_array_equal(g, exp, err_msg=str(case))
+        np.testing.assert_array_equal(g, exp, err_msg=str(case), strict=True)
 
 
 def assert_same(got: Any, exp: np.ndarray, what: str) -> None:
@@ -166,7 +249,7 @@ def assert_same(got: Any, exp: np.ndarray, what: str) -> None:
 def allreduce_body(backend: dml.Backend, case: Case) -> np.ndarray:
     """allreduce equals the element-wise reduction of all ranks' inputs."""
     rank, size = dml.local_rank(backend), dml.total_workers(backend)
-    inputs = [values(case, r) for r in range(size)]
+    inputs = [values(case, r, size) for r in range(size)]
     if case.in_place:
         buf = make(case, inputs[rank])
         out = dml.allreduce(backend, buf, case.op)
@@ -185,7 +268,7 @@ def bcast_body(backend: dml.Backend, case: Case) -> np.ndarray:
     """bcast gives every rank root's data and leaves root's data alone."""
     rank, size = dml.local_rank(backend), dml.total_workers(backend)
     root = case.root(size)
-    inputs = [values(case, r) for r in range(size)]
+    inputs = [values(case, r, size) for r in range(size)]
     if case.in_place:
         buf = make(case, inputs[rank])
         out = dml.bcast(backend, buf, root=root)
@@ -204,7 +287,7 @@ def reduce_body(backend: dml.Backend, case: Case) -> np.ndarray:
     """reduce puts the result on root and leaves other ranks' buffers unchanged."""
     rank, size = dml.local_rank(backend), dml.total_workers(backend)
     root = case.root(size)
-    inputs = [values(case, r) for r in range(size)]
+    inputs = [values(case, r, size) for r in range(size)]
     if case.in_place:
         buf = make(case, inputs[rank])
         out = dml.reduce(backend, buf, case.op, root=root)
@@ -227,7 +310,7 @@ def reduce_body(backend: dml.Backend, case: Case) -> np.ndarray:
 def allgather_body(backend: dml.Backend, case: Case) -> np.ndarray:
     """allgather stacks every rank's sendbuf in rank order."""
     rank, size = dml.local_rank(backend), dml.total_workers(backend)
-    inputs = [values(case, r) for r in range(size)]
+    inputs = [values(case, r, size) for r in range(size)]
     send = sendbuf(case, inputs[rank])
     recv = make(case, np.zeros((size, *case.shape)))
     out = dml.allgather(backend, send, recv)
@@ -243,6 +326,23 @@ BODIES = {
     "reduce": reduce_body,
     "allgather": allgather_body,
 }
+
+
+def matrix_size() -> int:
+    return sum(len(matrix_cases(name)) for name in BODIES)
+
+
+def matrix_body(backend: dml.Backend) -> int:
+    """Every case of :func:`matrix_cases`, for every collective, in one body; returns how many ran."""
+    count = 0
+    for name, body in BODIES.items():
+        for case in matrix_cases(name):
+            try:
+                body(backend, case)
+            except AssertionError as e:
+                raise AssertionError(f"{name} on {dml.total_workers(backend)} ranks, {case}: {e}") from None
+            count += 1
+    return count
 
 
 # -- bad input ---------------------------------------------------------------------------
@@ -344,9 +444,11 @@ def large_body(backend: dml.Backend, n: int, dtype: str, op: Any, in_place: bool
     root = n % size
     buf = large_input(n, dtype, op, rank)
     dml.reduce(backend, buf, op, root=root)
-    if rank == root and rop is not dml.AVG:
+    if rank == root and rop is dml.AVG:
+        np.testing.assert_allclose(buf, exp, rtol=1e-6, err_msg=f"reduce n={n} {dtype} {op}")
+    elif rank == root:
         np.testing.assert_array_equal(buf, exp, err_msg=f"reduce n={n} {dtype} {op}")
-    elif rank != root:
+    else:
         np.testing.assert_array_equal(buf, large_input(n, dtype, op, rank))
     buf = large_input(n, dtype, op, rank)
     dml.bcast(backend, buf, root=root)

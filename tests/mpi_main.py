@@ -13,10 +13,11 @@ import signal
 import sys
 import time
 import traceback
+import zlib
 from typing import Any
 
 import numpy as np
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from mpi4py import MPI
 
 import distutils_ml as dml
@@ -25,7 +26,7 @@ import bodies
 import data_bodies
 import train_bodies
 
-EXAMPLES = 100
+EXAMPLES = 5  # per collective, dtype and backend; the "matrix" check covers every combination
 SETTINGS = settings(
     derandomize=True,
     database=None,
@@ -46,17 +47,20 @@ def guarded(fn: Any, *args: Any) -> Any:
         MPI.COMM_WORLD.Abort(3)
 
 
-def property_check(backend: dml.Backend, name: str, examples: int) -> int:
+def property_check(backend: dml.Backend, name: str, label: str, examples: int) -> int:
+    """``examples`` random calls of collective ``name`` per dtype; the seed names collective, dtype and backend."""
     count = 0
+    for dtype in bodies.DTYPES:
 
-    @settings(SETTINGS, max_examples=examples)
-    @given(case=bodies.cases(reduction=name in ("allreduce", "reduce")))
-    def run(case: bodies.Case) -> None:
-        nonlocal count
-        guarded(bodies.BODIES[name], backend, case)
-        count += 1
+        @seed(zlib.crc32(f"{name}/{dtype}/{label}".encode()))
+        @settings(SETTINGS, max_examples=examples)
+        @given(case=bodies.cases(dtype, reduction=name in bodies.REDUCTIONS))
+        def run(case: bodies.Case) -> None:
+            nonlocal count
+            guarded(bodies.BODIES[name], backend, case)
+            count += 1
 
-    run()
+        run()
     return count
 
 
@@ -95,12 +99,15 @@ def ddp_check(backend: dml.Backend, steps: int = 5) -> float:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
     try:
         worst = 0.0
-        for kind in ("sgd", "adam"):
+        # bucket_bytes=0 reduces every gradient in place; the default bucket holds these small ones as views.
+        for kind, bucket_bytes in (("sgd", 0), ("adam", 0), ("sgd", 1 << 20), ("adam", 1 << 20)):
             base = train_bodies.make_model(11, hidden=64, bn=False)
             ours = train_bodies.make_model(11, hidden=64, bn=False)
             ddp = torch.nn.parallel.DistributedDataParallel(base)
             opt_ddp = train_bodies._optimizer(kind, ddp.parameters())
-            opt = dml.DistributedOptimizer(backend, train_bodies._optimizer(kind, ours.parameters()))
+            opt = dml.DistributedOptimizer(
+                backend, train_bodies._optimizer(kind, ours.parameters()), bucket_bytes=bucket_bytes
+            )
             g = torch.Generator().manual_seed(5)
             for _ in range(steps):
                 x, y = torch.randn(16 * size, 3, generator=g), torch.randn(16 * size, 2, generator=g)
@@ -127,12 +134,14 @@ def main(checks: list[str]) -> None:
     for check in checks:
         start = time.perf_counter()
         if check == "properties":
-            counts = {
-                f"{name}@{label}": property_check(b, name, EXAMPLES)
+            detail = {
+                f"{name}@{label}": property_check(b, name, label, EXAMPLES)
                 for name in bodies.BODIES
                 for label, b in (("default", world), ("segment16", tiny))
             }
-            detail = counts
+        elif check == "matrix":
+            detail = {label: guarded(bodies.matrix_body, b) for label, b in (("default", world), ("segment16", tiny))}
+            assert detail == {"default": bodies.matrix_size(), "segment16": bodies.matrix_size()}, detail
         elif check == "synchronize":
             detail = hypothesis_check(world, train_bodies.synchronize_body, train_bodies.sync_cases(), 15)
         elif check == "train":
@@ -152,7 +161,13 @@ def main(checks: list[str]) -> None:
         elif check == "ddp":
             detail = guarded(ddp_check, world)
         elif check == "bad_input":
-            detail = [guarded(bodies.bad_input_body, world, culprit) for culprit in range(world.size)]
+            # First on a debug backend: a stray send from a bad call meets the next good
+            # collective's fingerprint exchange and fails at once as CollectiveMismatchError
+            # (on the plain backend it would more likely hang until the runner's timeout).
+            checker = dml.MPIBackend(debug=True)
+            detail = [
+                guarded(bodies.bad_input_body, b, culprit) for b in (checker, world) for culprit in range(world.size)
+            ]
         elif check == "large":
             mib = 1024 * 1024
             sizes = [1, 3, 4 * mib // 4 - 1, 4 * mib // 4 + 1, 16 * mib // 8 + 3, 64 * mib // 4 + 5]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -64,7 +65,24 @@ def run_mpi(n: int, args: list[str], timeout: float = 240, runner: tuple[str, ..
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGUSR1)  # mpiexec forwards it: ranks dump their Python stacks
         time.sleep(3)
-        proc.kill()
+        _kill_tree(proc.pid)  # the ranks too: a killed mpiexec leaves them running, busy-polling a core
         out, _ = proc.communicate()
         pytest.fail(f"mpiexec job timed out after {timeout} s: {' '.join(cmd)}\n{out[-12000:]}")
     return Job(proc.returncode, out, time.monotonic() - start)
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process descended from it (found through /proc)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    doomed = {pid}
+    while grown := {child for child, parent in parents.items() if parent in doomed} - doomed:
+        doomed |= grown
+    for victim in doomed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)

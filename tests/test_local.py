@@ -62,7 +62,8 @@ def test_stall_names_the_missing_rank() -> None:
         dml.allreduce(b, np.ones(2), dml.SUM)
 
     start = time.monotonic()
-    with pytest.raises(dml.StallError, match=r"in allreduce #1; rank\(s\) \[2\] have not arrived"):
+    stalled = r"in allreduce\(shape=\(2,\), dtype=float64, op=dml.SUM\) #1; rank\(s\) \[2\] have not arrived"
+    with pytest.raises(dml.StallError, match=stalled):
         dml.LocalBackend.spawn(3, fn, timeout=30, stall_timeout=0.5)
     assert time.monotonic() - start < 5
     release.set()

@@ -1,8 +1,9 @@
 """MPIBackend under real ``mpiexec`` jobs with 2 and 3 ranks.
 
 Each job runs many checks (tests/mpi_main.py) to pay MPI and torch start-up once:
-the property bodies of tests/bodies.py (the same ones LocalBackend runs), every bad
-input followed by a good collective, odd sizes up to 64 MiB, sub-communicators,
+the property bodies of tests/bodies.py (the same ones LocalBackend runs), random and
+the deterministic matrix of every op, dtype and form, every bad input followed by a good
+collective (also on a debug-mode backend), odd sizes up to 64 MiB, sub-communicators,
 object broadcast, and fail-fast on an uncaught exception.
 """
 
@@ -14,7 +15,7 @@ from mpirun import requires_mpi, run_mpi
 
 pytestmark = requires_mpi
 
-CHECKS = ["objects", "subcomm", "bad_input", "properties", "synchronize", "train", "data", "debug"]
+CHECKS = ["objects", "subcomm", "bad_input", "properties", "matrix", "synchronize", "train", "data", "debug"]
 
 
 @pytest.mark.parametrize(("ranks", "extra"), [(2, ["large", "ddp"]), (3, [])])
