@@ -9,6 +9,7 @@ ranks could not follow it). Rank 0 ends with ``MPI CHECKS PASSED`` when all pass
 from __future__ import annotations
 
 import faulthandler
+import gc
 import signal
 import sys
 import time
@@ -97,6 +98,7 @@ def ddp_check(backend: dml.Backend, steps: int = 5) -> float:
     if store is None:
         store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
+    keep: list[Any] = []  # the DDP reference models, torn down in order below
     try:
         worst = 0.0
         # bucket_bytes=0 reduces every gradient in place; the default bucket holds these small ones as views.
@@ -104,6 +106,7 @@ def ddp_check(backend: dml.Backend, steps: int = 5) -> float:
             base = train_bodies.make_model(11, hidden=64, bn=False)
             ours = train_bodies.make_model(11, hidden=64, bn=False)
             ddp = torch.nn.parallel.DistributedDataParallel(base)
+            keep.append(ddp)
             opt_ddp = train_bodies._optimizer(kind, ddp.parameters())
             opt = dml.DistributedOptimizer(
                 backend, train_bodies._optimizer(kind, ours.parameters()), bucket_bytes=bucket_bytes
@@ -121,7 +124,16 @@ def ddp_check(backend: dml.Backend, steps: int = 5) -> float:
         assert worst == 0.0, f"parameters differ from DDP's by up to {worst}"
         return worst
     finally:
+        # gloo's teardown can hang (a worker thread blocked in a receive, pytorch#75097) when a
+        # rank frees its process group while the other still uses it: finish every gloo operation
+        # on both ranks, free the DDP wrappers (their reducers hold the group) while the group is
+        # still alive, destroy it on both ranks, and keep rank 0's store up until all are done.
+        dist.barrier()
+        keep.clear()
+        ddp = model = None  # drop the loop's references to the last wrapper
+        gc.collect()
         dist.destroy_process_group()
+        backend._barrier()
 
 
 def main(checks: list[str]) -> None:
