@@ -96,18 +96,16 @@ def _write_atomic(state: Any, path: str) -> None:
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
     # os.open, not tempfile: the checkpoint gets the usual permissions (0o666 less the umask).
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    renamed = False
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        renamed = True
-    finally:
-        if not renamed:  # any failure, KeyboardInterrupt included: leave no partial file behind
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+    except BaseException:  # any failure, KeyboardInterrupt included: leave no partial file behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     for old in leftovers:  # listed before this save began, so never its own
         with contextlib.suppress(OSError):
             os.unlink(old)

@@ -264,7 +264,7 @@ def _on_device(  # noqa: PLR0917 - private; mirrors the public collectives' argu
         return _on_stream(kind, backend, sendbuf, recvbuf, op, root)
     import cupy  # a CUDA array that is not a tensor: CuPy's (or another library's) array
 
-    device = torch.device("cuda", cupy.cuda.Device().id)
+    device = torch.device("cuda", out.device.id)  # the array's GPU, not merely the current one
     ptr = cupy.cuda.get_current_stream().ptr
     stream = torch.cuda.default_stream(device) if ptr == 0 else torch.cuda.ExternalStream(ptr, device=device)
     with torch.cuda.stream(stream):
