@@ -13,9 +13,10 @@ from distutils_ml.backends.base import Backend, ReduceOp
 from distutils_ml.backends.local import LocalBackend
 from distutils_ml.backends.mpi import MPIBackend
 from distutils_ml.backends.nccl import NCCLBackend
-from distutils_ml.checkpoint import load, rng_state, save, set_rng_state
+from distutils_ml.checkpoint import load, rng_state, rng_state_all, save, set_rng_state, set_rng_state_all
 from distutils_ml.collectives import allgather, allreduce, barrier, bcast, reduce
 from distutils_ml.data import DistributedDataContainer, getobs, numobs
+from distutils_ml.objects import allgather_object, bcast_object
 from distutils_ml.optimizer import DistributedOptimizer, allreduce_gradients
 from distutils_ml.printing import print
 from distutils_ml.registry import get_distributed_backend, initialize, initialized, local_rank, total_workers
@@ -46,10 +47,12 @@ __all__ = [
     "ReduceOp",
     "StallError",
     "allgather",
+    "allgather_object",
     "allreduce",
     "allreduce_gradients",
     "barrier",
     "bcast",
+    "bcast_object",
     "get_distributed_backend",
     "getobs",
     "initialize",
@@ -60,8 +63,10 @@ __all__ = [
     "print",
     "reduce",
     "rng_state",
+    "rng_state_all",
     "save",
     "set_rng_state",
+    "set_rng_state_all",
     "synchronize",
     "total_workers",
 ]

@@ -3,6 +3,11 @@
 Every argument is checked on the calling rank before any byte is sent, so a bad call
 raises on that rank and leaves the world usable. Buffers are NumPy arrays or CPU
 torch tensors (:mod:`distutils_ml.arrays`); results land in the caller's buffer.
+
+One thread at a time: a collective entered while another thread of this process is
+inside one on the same backend raises ``RuntimeError`` naming both threads (before
+anything is sent), since ranks would pair up the two threads' messages differently.
+In debug mode every call is compared across ranks first (``Backend._check_call``).
 """
 
 from __future__ import annotations
@@ -100,6 +105,14 @@ def allreduce(backend: Backend, sendbuf: Any, recvbuf: Any = None, op: Any = Non
         array([3., 4.])
     """
     check_backend(backend, "allreduce")
+    backend._enter("allreduce")
+    try:
+        return _allreduce(backend, sendbuf, recvbuf, op)
+    finally:
+        backend._leave()
+
+
+def _allreduce(backend: Backend, sendbuf: Any, recvbuf: Any, op: Any) -> Any:
     if op is None:
         recvbuf, op = _split_op(recvbuf, op)
     if type(op) is not ReduceOp:
@@ -115,6 +128,8 @@ def allreduce(backend: Backend, sendbuf: Any, recvbuf: Any = None, op: Any = Non
         return _on_device("allreduce", backend, sendbuf, recvbuf, op)
     if (op, dt) not in OP_DTYPE_OK:
         check_op_dtype(op, dt, "buf" if recvbuf is None else "sendbuf")
+    if backend.debug:
+        backend._check_call("allreduce", recv.shape, dt, op, -1)
     if dt in HALF_DTYPES and not backend.native_half_reductions:
         work = to_float32(out, recv) if send is None else to_float32(sendbuf, send)
         _allreduce_native(backend, None, work, op)
@@ -152,19 +167,29 @@ def bcast(backend: Backend, sendbuf: Any, recvbuf: Any = None, *, root: int = 0)
     """
     check_backend(backend, "bcast")
     root = _check_root(backend, root)
+    backend._enter("bcast")
+    try:
+        return _bcast(backend, sendbuf, recvbuf, root)
+    finally:
+        backend._leave()
+
+
+def _bcast(backend: Backend, sendbuf: Any, recvbuf: Any, root: int) -> Any:
     try:
         if recvbuf is None:
-            buf, _ = result_view(sendbuf, "buf")
+            buf, dt = result_view(sendbuf, "buf")
         else:
-            send, recv, _ = _two_buffers(sendbuf, recvbuf)
+            send, buf, dt = _two_buffers(sendbuf, recvbuf)
     except OnDevice:
         return _on_device("bcast", backend, sendbuf, recvbuf, None, root)
+    if backend.debug:
+        backend._check_call("bcast", buf.shape, dt, None, root)
     if recvbuf is None:
         backend._bcast(buf, root)
         return sendbuf
     if send is not None and backend.rank == root:
-        np.copyto(recv, send)
-    backend._bcast(recv, root)
+        np.copyto(buf, send)
+    backend._bcast(buf, root)
     return recvbuf
 
 
@@ -188,6 +213,14 @@ def reduce(backend: Backend, sendbuf: Any, recvbuf: Any = None, op: Any = None, 
     recvbuf, op = _split_op(recvbuf, op)
     op = resolve_op(op)
     root = _check_root(backend, root)
+    backend._enter("reduce")
+    try:
+        return _reduce(backend, sendbuf, recvbuf, op, root)
+    finally:
+        backend._leave()
+
+
+def _reduce(backend: Backend, sendbuf: Any, recvbuf: Any, op: ReduceOp, root: int) -> Any:
     try:
         if recvbuf is None:
             send, (recv, dt) = None, result_view(sendbuf, "buf")
@@ -198,6 +231,8 @@ def reduce(backend: Backend, sendbuf: Any, recvbuf: Any = None, op: Any = None, 
     except OnDevice:
         return _on_device("reduce", backend, sendbuf, recvbuf, op, root)
     check_op_dtype(op, dt, "buf" if recvbuf is None else "sendbuf")
+    if backend.debug:
+        backend._check_call("reduce", recv.shape, dt, op, root)
     is_root = backend.rank == root
     if dt in HALF_DTYPES and not backend.native_half_reductions:
         work = to_float32(out, recv) if send is None else to_float32(sendbuf, send)
@@ -231,20 +266,32 @@ def allgather(backend: Backend, sendbuf: Any, recvbuf: T) -> T:
         tensor([[1., 2.]])
     """
     check_backend(backend, "allgather")
+    backend._enter("allgather")
     try:
-        recv, rdt = result_view(recvbuf, "recvbuf")
-        send, sdt = source_view(sendbuf, "sendbuf")
-    except OnDevice:
-        return _on_device("allgather", backend, sendbuf, recvbuf)
-    _check_match(send, sdt, recv, rdt, (backend.size, *send.shape))
-    backend._allgather(send, recv)
-    return recvbuf
+        try:
+            recv, rdt = result_view(recvbuf, "recvbuf")
+            send, sdt = source_view(sendbuf, "sendbuf")
+        except OnDevice:
+            return _on_device("allgather", backend, sendbuf, recvbuf)
+        _check_match(send, sdt, recv, rdt, (backend.size, *send.shape))
+        if backend.debug:
+            backend._check_call("allgather", send.shape, sdt, None, -1)
+        backend._allgather(send, recv)
+        return recvbuf
+    finally:
+        backend._leave()
 
 
 def barrier(backend: Backend) -> None:
     """Return once every rank has called ``barrier``."""
     check_backend(backend, "barrier")
-    backend._barrier()
+    backend._enter("barrier")
+    try:
+        if backend.debug:
+            backend._check_call("barrier", None, None, None, -1)
+        backend._barrier()
+    finally:
+        backend._leave()
 
 
 # -- CUDA buffers -------------------------------------------------------------------------
@@ -297,6 +344,9 @@ def _on_stream(  # noqa: PLR0917 - private; mirrors the public collectives' argu
     if op is not None:
         check_op_dtype(op, torch_dtype_name(recv), "buf" if send is None else "sendbuf")
     if backend.takes_device_buffers:
+        if backend.debug:
+            shape = tuple((send if kind == "allgather" else recv).shape)
+            backend._check_call(kind, shape, torch_dtype_name(recv), op, root if kind in ("bcast", "reduce") else -1)
         backend._device_collective(kind, send, recv, op, root)
         return out
     # Staged: copy to reused pinned host buffers (the copy waits for the current stream), run

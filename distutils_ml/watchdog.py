@@ -11,8 +11,10 @@ joined is slow, not stalled (a large transfer, slow unpickling): the rank warns 
 keeps waiting, and asks again after another timeout.
 
 *Debug mode* (``debug=True`` or ``DML_DEBUG=1``) compares a fingerprint of every
-collective across ranks before any data moves; on a mismatch every rank raises a
-:class:`CollectiveMismatchError` naming which ranks called what.
+collective across ranks before any data moves: the kind, shape, dtype (as the caller
+passed it), op, root and the call site (the first frame outside this package); on a
+mismatch every rank raises a :class:`CollectiveMismatchError` naming which ranks called
+what, and where. The comparison is itself watched for stalls.
 """
 
 from __future__ import annotations
@@ -25,11 +27,10 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
-
 __all__ = [
     "CollectiveMismatchError",
     "StallError",
+    "call_site",
     "describe",
     "resolve_debug",
     "resolve_timeout",
@@ -74,10 +75,25 @@ def resolve_timeout(timeout: float | None, name: str = "timeout") -> float:
     return float(timeout)
 
 
+_DEBUG_WORDS = {"": False, "0": False, "false": False, "no": False, "off": False}
+_DEBUG_WORDS.update({"1": True, "true": True, "yes": True, "on": True})
+
+
 def resolve_debug(debug: bool | None) -> bool:
-    """Whether debug mode is on, from the option or ``DML_DEBUG``."""
+    """Whether debug mode is on, from the option or ``DML_DEBUG``.
+
+    Raises:
+        ValueError: ``DML_DEBUG`` is not one of 1/0, true/false, yes/no, on/off (any case) or empty.
+        TypeError: ``debug`` is not a bool.
+    """
     if debug is None:
-        return os.environ.get(DEBUG_ENV, "").lower() in ("1", "true", "yes", "on")
+        raw = os.environ.get(DEBUG_ENV, "")
+        value = _DEBUG_WORDS.get(raw.strip().lower())
+        if value is None:
+            raise ValueError(
+                f"{DEBUG_ENV}: got {raw!r}; allowed: 1, true, yes, on (debug mode) or 0, false, no, off, empty (off)"
+            )
+        return value
     if not isinstance(debug, bool):
         raise TypeError(f"debug: got {debug!r}; allowed: True or False")
     return debug
@@ -89,7 +105,7 @@ def describe(kind: str, shape: Any = None, dtype: Any = None, op: Any = None, ro
     if shape is not None:
         parts.append(f"shape={tuple(shape)}")
     if dtype is not None:
-        text = np.dtype(dtype) if isinstance(dtype, (np.dtype, str)) else str(dtype).removeprefix("torch.")
+        text = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
         parts.append(f"dtype={text}")
     if op is not None:
         parts.append(f"op={op!r}")
@@ -98,13 +114,25 @@ def describe(kind: str, shape: Any = None, dtype: Any = None, op: Any = None, ro
     return f"{kind}({', '.join(parts)})"
 
 
+def call_site() -> str:
+    """``file.py:line in function`` of the first frame outside distutils_ml: where the user made the call."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("distutils_ml"):
+        frame = frame.f_back
+    code = frame.f_code
+    return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+
+
+def _call_text(record: tuple) -> str:
+    """``allreduce(shape=..., ...)`` for a watchdog record ``(seq, kind, shape, dtype, op, root, start)``."""
+    _, kind, shape, dtype, op, root, _ = record
+    return describe(kind, shape, dtype, op, root)
+
+
 def _describe_inflight(record: tuple | None) -> str:
     if record is None:
         return "not in a collective"
-    seq, kind, arr, op, root, _ = record
-    return (
-        f"in {describe(kind, None if arr is None else arr.shape, None if arr is None else arr.dtype, op, root)} #{seq}"
-    )
+    return f"in {_call_text(record)} #{record[0]}"
 
 
 def reply_window(timeout: float) -> float:
@@ -141,9 +169,10 @@ class MPIWatchdog:
         if self._thread is not threading.current_thread():
             self._thread.join(self.poll + 1.0)
 
-    def _status(self) -> tuple[int, str]:
-        record = self.backend._inflight
-        return self.backend._seq, _describe_inflight(record)
+    def _status(self) -> tuple[int, str, str]:
+        """(last started seq, what this rank is doing, the last collective it started)."""
+        last = self.backend._last
+        return self.backend._seq, _describe_inflight(self.backend._inflight), "" if last is None else _call_text(last)
 
     def _send(self, obj: Any, dest: int, tag: int) -> None:
         """A non-blocking send whose request is kept until it completes (never blocks on a dead rank)."""
@@ -167,7 +196,7 @@ class MPIWatchdog:
                 record = self.backend._inflight
                 if record is None:
                     continue
-                seq, start = record[0], record[5]
+                seq, start = record[0], record[-1]
                 waited = time.monotonic() - start
                 if next_check[0] != seq:
                     next_check = (seq, self.timeout)
@@ -189,24 +218,24 @@ class MPIWatchdog:
         sys.stderr.write(f"[rank {self.backend.rank}] distutils_ml: {text}\n")
         sys.stderr.flush()
 
-    def _collect(self) -> dict[int, tuple[int, str]]:
-        """Every rank's ``(last started seq, status text)``; ranks that do not answer in time are left out."""
+    def _collect(self) -> dict[int, tuple[int, str, str]]:
+        """Every rank's ``_status()``; ranks that do not answer in time are left out."""
         MPI = self.backend._MPI
         rank, size = self.backend.rank, self.backend.size
         self._token += 1
         for r in range(size):
             if r != rank:
                 self._send(self._token, r, _REQUEST)
-        replies: dict[int, tuple[int, str]] = {rank: self._status()}
+        replies: dict[int, tuple[int, str, str]] = {rank: self._status()}
         deadline = time.monotonic() + reply_window(self.timeout)
         st = MPI.Status()
         while len(replies) < size and time.monotonic() < deadline:
             self._answer_requests()
             if self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_REPLY, status=st):
                 src = st.Get_source()
-                token, r_seq, what = self.comm.recv(source=src, tag=_REPLY)
+                token, *status = self.comm.recv(source=src, tag=_REPLY)
                 if token == self._token:
-                    replies[src] = (r_seq, what)
+                    replies[src] = tuple(status)  # type: ignore[assignment]
             else:
                 time.sleep(0.01)
         return replies
@@ -215,6 +244,7 @@ class MPIWatchdog:
         """Ask every rank where it is; abort the job if some rank is missing and ``record`` still runs."""
         seq = record[0]
         mine = _describe_inflight(record)
+        call = _call_text(record)
         replies = self._collect()
         missing, different, lines = [], [], []
         for r in range(self.backend.size):
@@ -222,9 +252,9 @@ class MPIWatchdog:
                 missing.append(r)
                 lines.append(f"  rank {r}: no answer (stuck outside Python, exited, or dead)")
                 continue
-            r_seq, what = replies[r]
+            r_seq, what, last = replies[r]
             note = ""
-            if what.startswith("in ") and what.endswith(f" #{seq}") and what != mine:
+            if r_seq == seq and last != call:  # its collective #seq, running or finished, is another one
                 different.append(r)
                 note = " (a different collective: debug=True or DML_DEBUG=1 checks every call)"
             elif r_seq < seq:
@@ -232,7 +262,7 @@ class MPIWatchdog:
             elif r_seq > seq:
                 note = " (done with this one)"
             if not what.startswith("in "):
-                note = f" (last started #{r_seq})" + note
+                note = f" (last started #{r_seq}: {last or 'none'})" + note
             lines.append(f"  rank {r}: {what}{note}")
         if self.backend._inflight is not record:
             return  # the collective ended while the answers came in

@@ -202,21 +202,26 @@ class _QuietComm:
         return False
 
 
-RECORD_ARGS = ("allreduce", np.ones(4, np.float32), dml.SUM, -1)
-MINE = "in allreduce(shape=(4,), dtype=float32, op=dml.SUM) #2"
+RECORD_ARGS = ("allreduce", (4,), np.dtype(np.float32), dml.SUM, -1)
+CALL = "allreduce(shape=(4,), dtype=float32, op=dml.SUM)"
+MINE = f"in {CALL} #2"
+EARLIER = "allreduce(shape=(2,), dtype=float64, op=dml.SUM)"
 
 
-def _verdict(replies: dict[int, tuple[int, str]], *, ends_meanwhile: bool = False) -> list[int]:
-    """Run rank 0's check of collective #2 (of 3 ranks) on the other ranks' ``replies``; return the aborts."""
+def _verdict(replies: dict[int, tuple[int, str, str]], *, ends_meanwhile: bool = False) -> list[int]:
+    """Run rank 0's check of collective #2 (of 3 ranks) on the other ranks' ``replies``; return the aborts.
+
+    A reply is (last started seq, what the rank is doing, the last collective it started).
+    """
     mpi = _FakeMPI()
     record = (2, *RECORD_ARGS, time.monotonic())
-    backend = SimpleNamespace(_MPI=mpi, rank=0, size=3, _seq=2, _inflight=record)
+    backend = SimpleNamespace(_MPI=mpi, rank=0, size=3, _seq=2, _inflight=record, _last=record)
     dog = MPIWatchdog(backend, _QuietComm(), timeout=1000.0)
 
-    def collect() -> dict[int, tuple[int, str]]:
+    def collect() -> dict[int, tuple[int, str, str]]:
         if ends_meanwhile:
             backend._inflight = None
-        return {0: (2, MINE), **replies}
+        return {0: (2, MINE, CALL), **replies}
 
     dog._collect = collect  # type: ignore[method-assign]
     try:
@@ -227,41 +232,59 @@ def _verdict(replies: dict[int, tuple[int, str]], *, ends_meanwhile: bool = Fals
 
 
 def test_every_rank_inside_the_collective_is_slow_not_stalled(capsys: pytest.CaptureFixture[str]) -> None:
-    aborts, err = _verdict({1: (2, MINE), 2: (3, "in barrier() #3")}), capsys.readouterr().err
+    aborts, err = _verdict({1: (2, MINE, CALL), 2: (3, "in barrier() #3", "barrier()")}), capsys.readouterr().err
     assert aborts == []
     assert f"[rank 0] distutils_ml: warning: waited 1000 s {MINE}, but every rank has joined it" in err, err
 
 
 def test_a_rank_that_has_not_started_the_collective_ends_the_job(capsys: pytest.CaptureFixture[str]) -> None:
-    aborts, err = _verdict({1: (2, MINE), 2: (1, "not in a collective")}), capsys.readouterr().err
+    aborts, err = _verdict({1: (2, MINE, CALL), 2: (1, "not in a collective", EARLIER)}), capsys.readouterr().err
     assert aborts == [1]
     assert f"stall: waited 1000 s (timeout 1000 s) {MINE}; rank(s) [2] have not arrived:" in err, err
-    assert "  rank 2: not in a collective (last started #1)" in err, err
+    assert f"  rank 2: not in a collective (last started #1: {EARLIER})" in err, err
 
 
 def test_a_rank_without_answer_ends_the_job(capsys: pytest.CaptureFixture[str]) -> None:
-    aborts, err = _verdict({1: (2, MINE)}), capsys.readouterr().err
+    aborts, err = _verdict({1: (2, MINE, CALL)}), capsys.readouterr().err
     assert aborts == [1]
     assert "rank(s) [2] have not arrived" in err and "  rank 2: no answer" in err, err
 
 
 def test_a_rank_in_a_different_collective_ends_the_job(capsys: pytest.CaptureFixture[str]) -> None:
     aborts, err = (
-        _verdict({1: (2, "in bcast(shape=(4,), dtype=float32, root=0) #2"), 2: (2, MINE)}),
+        _verdict(
+            {
+                1: (2, "in bcast(shape=(4,), dtype=float32, root=0) #2", "bcast(shape=(4,), dtype=float32, root=0)"),
+                2: (2, MINE, CALL),
+            }
+        ),
         capsys.readouterr().err,
     )
     assert aborts == [1]
     assert "rank(s) [1] called a different collective" in err, err
 
 
+def test_a_rank_that_finished_a_different_collective_with_the_same_number_ends_the_job(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Rank 1 ran `if rank == 1: dml.save(...)` (an object broadcast it could finish alone as root) as its #2,
+    # then stopped communicating: not "slow", a stall naming rank 1 and both calls.
+    other = "bcast_object(root=1)"
+    aborts, err = _verdict({1: (2, "not in a collective", other), 2: (2, MINE, CALL)}), capsys.readouterr().err
+    assert aborts == [1], err
+    assert "rank(s) [1] called a different collective" in err, err
+    assert f"  rank 1: not in a collective (last started #2: {other})" in err, err
+    assert MINE in err, err
+
+
 def test_a_collective_that_ends_while_the_answers_come_is_left_alone(capsys: pytest.CaptureFixture[str]) -> None:
-    aborts = _verdict({1: (2, MINE), 2: (1, "not in a collective")}, ends_meanwhile=True)
+    aborts = _verdict({1: (2, MINE, CALL), 2: (1, "not in a collective", EARLIER)}, ends_meanwhile=True)
     err = capsys.readouterr().err
     assert aborts == [] and err == ""
 
 
 def test_a_failing_watchdog_says_so_before_stopping(capsys: pytest.CaptureFixture[str]) -> None:
-    backend = SimpleNamespace(_MPI=_FakeMPI(), rank=4, size=8, _seq=0, _inflight=None)
+    backend = SimpleNamespace(_MPI=_FakeMPI(), rank=4, size=8, _seq=0, _inflight=None, _last=None)
     dog = MPIWatchdog(backend, _QuietComm(RuntimeError("probe failed")), timeout=0.2)
     dog._thread.join(5)
     assert not dog._thread.is_alive()
@@ -291,7 +314,9 @@ def test_dml_timeout_stall_warns_names_the_rank_and_ends_the_job(monkeypatch: py
     assert re.search(warning, out), out[-8000:]
     stall = rf"distutils_ml: stall: waited \d+ s \(timeout 3 s\) in {call}; rank\(s\) \[2\] have not arrived:"
     assert re.search(stall, out), out[-8000:]
-    assert "  rank 2: not in a collective (last started #1)" in out, out[-8000:]
+    assert "  rank 2: not in a collective (last started #1: allreduce(shape=(2,), dtype=float64, op=dml.SUM))" in out, (
+        out[-8000:]
+    )
     assert "NOT ABORTED" not in out
 
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 import abc
 import enum
 import operator
-from typing import Any
+import pickle
+import threading
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -71,11 +74,11 @@ class Backend(abc.ABC):
     ``dml.initialize(BackendType)`` once, then ``dml.get_distributed_backend(BackendType)``.
 
     Subclasses implement the primitives (``_allreduce``, ``_bcast``, ``_reduce``,
-    ``_allgather``, ``_barrier``, ``_bcast_object``). They receive C-contiguous NumPy
-    arrays that were validated by :mod:`distutils_ml.collectives`: matching shapes and
-    dtypes on this rank, a known op, a root in range. ``AVG`` and half-precision
-    reductions are handled by the caller unless the backend says it reduces them
-    natively.
+    ``_allgather``, ``_barrier``, ``_bcast_bytes``, ``_allgather_bytes``, ``_abort``).
+    They receive C-contiguous NumPy arrays that were validated by
+    :mod:`distutils_ml.collectives`: matching shapes and dtypes on this rank, a known op,
+    a root in range. ``AVG`` and half-precision reductions are handled by the caller
+    unless the backend says it reduces them natively. Subclasses call ``super().__init__()``.
     """
 
     #: True where the transport reduces float16/bfloat16 itself (NCCL); otherwise the
@@ -86,6 +89,32 @@ class Backend(abc.ABC):
     takes_device_buffers: bool = False
     #: True where the transport averages itself (NCCL's ncclAvg); otherwise AVG is SUM, then divide.
     native_avg: bool = False
+    #: Debug mode: the public functions call ``_check_call`` before every collective.
+    debug: bool = False
+
+    def __init__(self) -> None:
+        # Held by the thread inside a public collective (re-entrant: composite calls nest).
+        self._entry = threading.RLock()
+        self._entry_owner = 0
+
+    def _enter(self, caller: str) -> None:
+        """Claim this backend for the calling thread, or raise if another thread is inside a collective.
+
+        Two threads calling collectives on one backend would have their messages paired up
+        differently on different ranks (silent corruption), so the second one is refused
+        before it sends anything. Pair every successful call with :meth:`_leave`.
+        """
+        if not self._entry.acquire(blocking=False):
+            raise _busy(self, caller)
+        self._entry_owner = threading.get_ident()
+
+    def _leave(self) -> None:
+        self._entry.release()
+
+    def _check_call(  # noqa: B027 - optional: backends without a debug mode keep this no-op
+        self, kind: str, shape: Any, dtype: str | None, op: ReduceOp | None, root: int
+    ) -> None:
+        """Debug mode: compare this collective (as the user called it, and where) across ranks first."""
 
     @property
     @abc.abstractmethod
@@ -124,8 +153,26 @@ class Backend(abc.ABC):
         """Return once every rank has entered the barrier."""
 
     @abc.abstractmethod
+    def _bcast_bytes(self, data: bytes | None, root: int, make: Callable[[], bytes] | None = None) -> bytes:
+        """Return root's bytes on every rank, of any length.
+
+        With ``make``, root calls it *inside* the collective to produce its bytes (so slow
+        work on root counts as being in the collective); ``make`` must not raise.
+        """
+
+    @abc.abstractmethod
+    def _allgather_bytes(self, data: bytes) -> list[bytes]:
+        """Return every rank's bytes (any lengths), in rank order, on every rank."""
+
+    @abc.abstractmethod
+    def _abort(self, message: str) -> NoReturn:
+        """End the whole world with ``message``: for a failure after the ranks agreed to go on."""
+
     def _bcast_object(self, obj: Any, root: int) -> Any:
-        """Return root's ``obj`` (a picklable Python object) on every rank."""
+        """Return root's ``obj`` (a picklable Python object) on every rank; root pickles it inside the collective."""
+        make = (lambda: pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)) if self.rank == root else None
+        data = self._bcast_bytes(None, root, make)
+        return obj if self.rank == root else pickle.loads(data)
 
     def _device_collective(
         self, kind: str, send: Any, recv: Any, op: ReduceOp | None, root: int
@@ -135,6 +182,19 @@ class Backend(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
+
+
+def _busy(backend: Backend, caller: str) -> RuntimeError:
+    owner = backend._entry_owner
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.current_thread().name
+    return RuntimeError(
+        f"{caller}: thread {me!r} called a collective on {backend!r} while thread "
+        f"{names.get(owner, f'id {owner}')!r} is inside one. A backend's collectives must be called from one "
+        "thread at a time: ranks would pair up the two threads' messages differently and corrupt both. Make "
+        "every collective from one thread, or give the other thread a backend of its own over its own "
+        "communicator, e.g. dml.MPIBackend(comm=MPI.COMM_WORLD.Dup()), created on every rank in the same order"
+    )
 
 
 def check_backend(backend: Any, caller: str) -> None:

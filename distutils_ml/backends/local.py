@@ -10,12 +10,12 @@ ever reads or writes another rank's buffers.
 
 from __future__ import annotations
 
-import pickle
+import math
 import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from distutils_ml.watchdog import (
     TIMEOUT_ENV,
     CollectiveMismatchError,
     StallError,
+    call_site,
     describe,
     resolve_debug,
     resolve_timeout,
@@ -51,9 +52,10 @@ class RankFailedError(RuntimeError):
 class _World:
     """The shared state of one simulated world: a reusable rendezvous."""
 
-    def __init__(self, size: int, stall_timeout: float = 0.0) -> None:
+    def __init__(self, size: int, stall_timeout: float = 0.0, call_sites: bool = False) -> None:
         self.size = size
         self.stall_timeout = stall_timeout
+        self.call_sites = call_sites  # debug mode: fingerprints include where each rank called
         self.cond = threading.Condition()
         self.slots: list[Any] = [None] * size
         self.arrived = 0
@@ -147,8 +149,10 @@ class LocalBackend(Backend):
     the identity), or :meth:`spawn` to run a function on N simulated ranks.
 
     Simulated ranks always compare a fingerprint of every collective (kind, shape,
-    dtype, op, root) and raise ``CollectiveMismatchError`` on every rank when they
-    differ, ``AVG`` included (it is reduced here, not rewritten as a sum first).
+    dtype as the caller passed it, op, root) and raise ``CollectiveMismatchError`` on
+    every rank when they differ, ``AVG`` included (it is reduced here, not rewritten as
+    a sum first). With ``spawn(..., debug=True)`` (or ``DML_DEBUG=1``) the call site
+    (file and line of the call) must agree too, as in an MPI job's debug mode.
 
     Args:
         timeout: accepted and checked like ``MPIBackend``'s, so that
@@ -175,6 +179,7 @@ class LocalBackend(Backend):
         _rank: int = 0,
         **unknown: Any,
     ) -> None:
+        super().__init__()
         if unknown:
             raise TypeError(
                 f"LocalBackend: got the option(s) {', '.join(sorted(unknown))}; allowed: timeout, debug "
@@ -187,6 +192,7 @@ class LocalBackend(Backend):
             self.timeout, self.debug = _world.stall_timeout, True
         self._world = _world
         self._rank = _rank
+        self._call: tuple | None = None  # the public call's fingerprint, set by _check_call
 
     @property
     def rank(self) -> int:
@@ -203,6 +209,7 @@ class LocalBackend(Backend):
         *args: Any,
         timeout: float | None = None,
         stall_timeout: float | None = None,
+        debug: bool | None = None,
     ) -> list[R]:
         """Run ``fn(backend, *args)`` on ``world_size`` simulated ranks; return results in rank order.
 
@@ -223,6 +230,13 @@ class LocalBackend(Backend):
                 the ranks that never arrived; a waiting rank warns on stderr at a
                 quarter of it (default ``DML_TIMEOUT`` or 300; a finite number >= 0,
                 0: wait forever).
+            debug: also require every rank to make each collective from the same source
+                line (default ``DML_DEBUG``), as an MPI job's debug mode does.
+
+        Raises:
+            ValueError: ``world_size`` is not an int >= 1, or ``timeout`` / ``stall_timeout``
+                is not a finite number (> 0, resp. >= 0); raised before any rank starts.
+            TypeError: ``fn`` is not callable, or ``debug`` is not a bool.
 
         Example:
             >>> dml.LocalBackend.spawn(3, lambda b: dml.local_rank(b))
@@ -232,7 +246,14 @@ class LocalBackend(Backend):
             raise ValueError(f"world_size: got {world_size!r}; allowed: an int >= 1")
         if not callable(fn):
             raise TypeError(f"fn: got {type(fn).__qualname__}; allowed: a callable taking (backend, *args)")
-        world = _World(world_size, resolve_timeout(stall_timeout, "stall_timeout"))
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            raise ValueError(f"timeout: got {timeout!r}; allowed: None (no limit) or a finite number of seconds > 0")
+        world = _World(world_size, resolve_timeout(stall_timeout, "stall_timeout"), resolve_debug(debug))
         results: list[Any] = [None] * world_size
 
         def run(rank: int) -> None:
@@ -271,15 +292,24 @@ class LocalBackend(Backend):
 
     # -- primitives ---------------------------------------------------------------
 
+    def _check_call(self, kind: str, shape: Any, dtype: str | None, op: ReduceOp | None, root: int) -> None:
+        """Fingerprint the call as the user made it; the next rendezvous compares it across ranks."""
+        if self._world is not None:
+            site = call_site() if self._world.call_sites else None
+            self._call = (kind, None if shape is None else tuple(shape), dtype, op, root if root >= 0 else None, site)
+
     def _exchange(self, deposit: Any, fingerprint: tuple) -> tuple[Any, ...]:
         world = self._world
         assert world is not None
-        snap = world.rendezvous(self._rank, (fingerprint, deposit), fingerprint)
+        if self._call is not None:  # the user-facing call (its dtype, not the wire view's)
+            fingerprint, self._call = self._call, None
+        snap = world.rendezvous(self._rank, (fingerprint, deposit), fingerprint[:5])
         prints = [s[0] for s in snap]
         if any(p != prints[0] for p in prints):
             groups: dict[str, list[int]] = {}
             for r, p in enumerate(prints):
-                groups.setdefault(describe(*p), []).append(r)
+                site = f" at {p[5]}" if len(p) > 5 and p[5] else ""
+                groups.setdefault(describe(*p[:5]) + site, []).append(r)
             detail = "; ".join(f"rank(s) {ranks} called {call}" for call, ranks in groups.items())
             raise CollectiveMismatchError(
                 f"LocalBackend rank {self._rank}: collective #{world.generation} differs across ranks: {detail}"
@@ -325,12 +355,24 @@ class LocalBackend(Backend):
         if self._world is not None:
             self._exchange(None, _fingerprint("barrier", None))
 
-    def _bcast_object(self, obj: Any, root: int) -> Any:
+    def _bcast_bytes(self, data: bytes | None, root: int, make: Callable[[], bytes] | None = None) -> bytes:
+        if self._rank == root and make is not None:
+            data = make()
         if self._world is None:
-            return obj
-        mine = pickle.dumps(obj) if self._rank == root else None
-        parts = self._exchange(mine, _fingerprint("bcast_object", None, root=root))
-        return obj if self._rank == root else pickle.loads(parts[root])
+            return data  # type: ignore[return-value]
+        parts = self._exchange(data if self._rank == root else None, _fingerprint("bcast_object", None, root=root))
+        return parts[root]
+
+    def _allgather_bytes(self, data: bytes) -> list[bytes]:
+        if self._world is None:
+            return [data]
+        return list(self._exchange(bytes(data), _fingerprint("allgather_object", None)))
+
+    def _abort(self, message: str) -> NoReturn:
+        err = RuntimeError(f"LocalBackend rank {self._rank}: {message}; the simulated world is ended")
+        if self._world is not None:
+            self._world.fail(self._rank, err)
+        raise err
 
 
 def _reduce_into(out: np.ndarray, parts: tuple[np.ndarray, ...], op: ReduceOp) -> None:

@@ -14,19 +14,28 @@ other ranks never wait forever in a collective.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
 import time
 import traceback
 import warnings
-from collections.abc import Iterator
-from typing import Any
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 import numpy as np
 
 from distutils_ml.backends.base import Backend, ReduceOp
-from distutils_ml.watchdog import CollectiveMismatchError, MPIWatchdog, describe, resolve_debug, resolve_timeout
+from distutils_ml.watchdog import (
+    CollectiveMismatchError,
+    MPIWatchdog,
+    call_site,
+    describe,
+    resolve_debug,
+    resolve_timeout,
+)
 
 __all__ = ["MPIBackend"]
 
@@ -34,7 +43,18 @@ DEFAULT_SEGMENT_BYTES = 4 * 1024 * 1024
 _SEGMENT_ENV = "DML_MPI_SEGMENT_BYTES"
 _GPU_AWARE_ENV = "DML_MPI_GPU_AWARE"
 _BOOL = np.dtype(np.bool_)
-_KINDS = {"allreduce": 1, "reduce": 2, "bcast": 3, "allgather": 4, "barrier": 5, "bcast_object": 6}
+_KINDS = {
+    "allreduce": 1,
+    "reduce": 2,
+    "bcast": 3,
+    "allgather": 4,
+    "barrier": 5,
+    "bcast_object": 6,
+    "allgather_object": 7,
+}
+#: The most bytes one MPI call moves: Open MPI 5 has no big-count calls (counts are C ints), so
+#: everything larger travels in pieces of this size.
+MAX_PIECE_BYTES = 1 << 30
 _OP_CODES = {op: i for i, op in enumerate(ReduceOp)}
 
 
@@ -90,6 +110,7 @@ class MPIBackend(Backend):
         debug: bool | None = None,
         gpu_aware: bool | None = None,
     ) -> None:
+        super().__init__()
         timeout = resolve_timeout(timeout)
         self.debug = resolve_debug(debug)
         if segment_bytes is None:
@@ -110,6 +131,7 @@ class MPIBackend(Backend):
         self._rank = self.comm.Get_rank()
         self._size = self.comm.Get_size()
         self.segment_bytes = segment_bytes
+        self._piece_bytes = min(segment_bytes or MAX_PIECE_BYTES, MAX_PIECE_BYTES)
         # The rank among processes of this node (shared memory), for GPU placement.
         node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self._rank)
         self.node_local_rank: int = node.Get_rank()
@@ -127,7 +149,8 @@ class MPIBackend(Backend):
             gpu_aware = os.environ.get(_GPU_AWARE_ENV, "").lower() in ("1", "true", "yes", "on")
         self.takes_device_buffers = bool(gpu_aware)
         self._seq = 0  # collectives started on this backend: the same count on every rank
-        self._inflight: tuple | None = None  # (seq, kind, array, op, root, start) while one runs
+        self._inflight: tuple | None = None  # (seq, kind, shape, dtype, op, root, start) while one runs
+        self._last: tuple | None = None  # the record of the last collective started
         if fail_fast:
             install_fail_fast(MPI)
         self.timeout = timeout
@@ -141,33 +164,39 @@ class MPIBackend(Backend):
         self._watchdog = MPIWatchdog(self, self.comm.Dup(), self.timeout) if self.timeout > 0 else None
 
     def _begin(self, kind: str, arr: np.ndarray | None, op: ReduceOp | None = None, root: int = -1) -> None:
-        """Number this collective, compare fingerprints in debug mode, and show it to the watchdog."""
+        """Number this collective and show it to the watchdog."""
         self._seq += 1
-        if self.debug:
-            self._check_fingerprint(kind, arr, op, root)
-        self._inflight = (self._seq, kind, arr, op, root, time.monotonic())
+        shape, dtype = (None, None) if arr is None else (arr.shape, arr.dtype)
+        self._inflight = self._last = (self._seq, kind, shape, dtype, op, root, time.monotonic())
 
-    def _check_fingerprint(self, kind: str, arr: np.ndarray | None, op: ReduceOp | None, root: int) -> None:
-        shape = () if arr is None else arr.shape
-        mine = np.array(
-            [
-                self._seq,
-                _KINDS[kind],
-                -1 if op is None else _OP_CODES[op],
-                root,
-                -1 if arr is None else arr.dtype.num,
-                len(shape),
-                hash(tuple(shape)),
-            ],
-            dtype=np.int64,
-        )
-        every = np.empty((self._size, mine.size), dtype=np.int64)
-        self.comm.Allgather(mine, every)
-        if (every == every[0]).all():
-            return
-        calls = self.comm.allgather(
-            describe(kind, None if arr is None else shape, None if arr is None else arr.dtype, op, root)
-        )
+    def _check_call(self, kind: str, shape: Any, dtype: str | None, op: ReduceOp | None, root: int) -> None:
+        """Debug mode: compare this call (kind, shape, the caller's dtype, op, root, call site) across ranks.
+
+        The comparison is a collective of its own, watched for stalls like any other.
+        """
+        site = call_site()
+        self._seq += 1
+        self._inflight = self._last = (self._seq, f"check of {kind}", shape, dtype, op, root, time.monotonic())
+        try:
+            mine = np.array(
+                [
+                    _KINDS[kind],
+                    -1 if op is None else _OP_CODES[op],
+                    root,
+                    zlib.crc32((dtype or "").encode()),
+                    -1 if shape is None else len(shape),
+                    -1 if shape is None else hash(tuple(shape)),
+                    zlib.crc32(site.encode()),
+                ],
+                dtype=np.int64,
+            )
+            every = np.empty((self._size, mine.size), dtype=np.int64)
+            self.comm.Allgather(mine, every)
+            if (every == every[0]).all():
+                return
+            calls = self.comm.allgather(f"{describe(kind, shape, dtype, op, root)} at {site}")
+        finally:
+            self._inflight = None
         groups: dict[str, list[int]] = {}
         for r, call in enumerate(calls):
             groups.setdefault(call, []).append(r)
@@ -186,8 +215,8 @@ class MPIBackend(Backend):
 
     def _pieces(self, ref: np.ndarray, *bufs: Any) -> Iterator[tuple[Any, ...]]:
         """``bufs`` cut into flat pieces of at most ``segment_bytes`` (non-arrays pass through)."""
-        seg = self.segment_bytes
-        if seg == 0 or ref.nbytes <= seg:
+        seg = self._piece_bytes
+        if ref.nbytes <= seg:
             yield bufs
             return
         step = max(1, seg // ref.itemsize)
@@ -203,7 +232,7 @@ class MPIBackend(Backend):
         mop = self._ops[op]
         send = self._in_place if sendbuf is None else sendbuf
         try:
-            if recvbuf.nbytes <= self.segment_bytes or self.segment_bytes == 0:  # the latency-bound path
+            if recvbuf.nbytes <= self._piece_bytes:  # the latency-bound path
                 self.comm.Allreduce(send, recvbuf, mop)
                 if op is ReduceOp.AVG:
                     np.divide(recvbuf, self._size, out=recvbuf)
@@ -237,14 +266,28 @@ class MPIBackend(Backend):
     def _bcast(self, buf: np.ndarray, root: int) -> None:
         self._begin("bcast", buf, None, root)
         try:
-            self.comm.Bcast(buf, root)
+            if buf.nbytes <= MAX_PIECE_BYTES:
+                self.comm.Bcast(buf, root)
+            else:
+                self._bcast_pieces(buf, root)
         finally:
             self._inflight = None
+
+    def _bcast_pieces(self, buf: np.ndarray, root: int) -> None:
+        """Broadcast a contiguous array of any size as bytes, in pieces MPI can count."""
+        raw = buf.reshape(-1).view(np.uint8)
+        for i in range(0, raw.size, MAX_PIECE_BYTES):
+            self.comm.Bcast(raw[i : i + MAX_PIECE_BYTES], root)
 
     def _allgather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         self._begin("allgather", sendbuf)
         try:
-            self.comm.Allgather(sendbuf, recvbuf)
+            if sendbuf.nbytes <= MAX_PIECE_BYTES:
+                self.comm.Allgather(sendbuf, recvbuf)
+            else:  # one broadcast per rank, each in pieces
+                np.copyto(recvbuf[self._rank], sendbuf)
+                for k in range(self._size):
+                    self._bcast_pieces(recvbuf[k], k)
         finally:
             self._inflight = None
 
@@ -255,12 +298,47 @@ class MPIBackend(Backend):
         finally:
             self._inflight = None
 
-    def _bcast_object(self, obj: Any, root: int) -> Any:
+    def _bcast_bytes(self, data: bytes | None, root: int, make: Callable[[], bytes] | None = None) -> bytes:
         self._begin("bcast_object", None, None, root)
         try:
-            return self.comm.bcast(obj, root)
+            is_root = self._rank == root
+            if is_root and make is not None:
+                data = make()  # inside the collective: slow pickling or I/O here is not a stall
+            n = np.array([len(data) if is_root else 0], dtype=np.int64)  # type: ignore[arg-type]
+            self.comm.Bcast(n, root)
+            if is_root:
+                self._bcast_pieces(np.frombuffer(data, dtype=np.uint8), root)  # type: ignore[arg-type]
+                return data  # type: ignore[return-value]
+            out = bytearray(int(n[0]))
+            self._bcast_pieces(np.frombuffer(out, dtype=np.uint8), root)
+            return out  # type: ignore[return-value]
         finally:
             self._inflight = None
+
+    def _allgather_bytes(self, data: bytes) -> list[bytes]:
+        self._begin("allgather_object", None)
+        try:
+            sizes = np.empty(self._size, dtype=np.int64)
+            self.comm.Allgather(np.array([len(data)], dtype=np.int64), sizes)
+            parts: list[Any] = []
+            for k in range(self._size):
+                if k == self._rank:
+                    parts.append(data)
+                    self._bcast_pieces(np.frombuffer(data, dtype=np.uint8), k)
+                else:
+                    out = bytearray(int(sizes[k]))
+                    self._bcast_pieces(np.frombuffer(out, dtype=np.uint8), k)
+                    parts.append(out)
+            return parts
+        finally:
+            self._inflight = None
+
+    def _abort(self, message: str) -> NoReturn:
+        prefix = f"[rank {self._rank}] distutils_ml:"
+        sys.stderr.write(f"{prefix} {message}\n{prefix} aborting the job\n")
+        sys.stderr.flush()
+        self._MPI.COMM_WORLD.Abort(1)
+        raise SystemExit(1)  # not reached: Abort ends the process
 
     def _device_collective(self, kind: str, send: Any, recv: Any, op: ReduceOp | None, root: int) -> None:
         """CUDA buffers handed to a CUDA-aware MPI, after the current stream is synchronized."""
@@ -305,11 +383,37 @@ _hook_lock = threading.Lock()
 _hook_installed = False
 
 
+def _report_and_abort(  # noqa: PLR0917 - private
+    MPI: Any, exc_type: type[BaseException], exc: BaseException, tb: Any, note: str = "", then: Any = None
+) -> None:
+    """Print the traceback with the rank on every line, run ``then`` (a previous hook), then abort the MPI job."""
+    rank = MPI.COMM_WORLD.Get_rank()
+    size = MPI.COMM_WORLD.Get_size()
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    lines = "".join(f"[rank {rank}] {line}\n" for line in text.rstrip("\n").split("\n"))
+    try:
+        head = f"[rank {rank}] distutils_ml: uncaught exception on rank {rank} of {size}{note}; aborting the MPI job"
+        sys.stderr.write(f"{head}\n{lines}")
+        sys.stderr.flush()
+        sys.stdout.flush()
+    finally:
+        try:
+            if then is not None:
+                then(exc_type, exc, tb)
+        finally:
+            MPI.COMM_WORLD.Abort(1)
+
+
 def install_fail_fast(MPI: Any) -> None:
     """Make an uncaught exception on this rank print its traceback and abort the MPI job.
 
-    Without it, the other ranks would wait forever in their next collective. The
-    previous ``sys.excepthook`` still runs first.
+    Without it, the other ranks would wait forever in their next collective. Two
+    mechanisms, so the abort does not depend on who owns ``sys.excepthook``:
+
+    - a ``sys.excepthook`` that aborts at once (the previous hook still runs first);
+    - an exit handler that aborts when the interpreter ends after an uncaught exception
+      (``sys.last_value`` is set), for when another library (rich, IPython, sentry)
+      replaced our hook after it was installed.
     """
     global _hook_installed
     with _hook_lock:
@@ -319,18 +423,14 @@ def install_fail_fast(MPI: Any) -> None:
     previous = sys.excepthook
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
-        rank = MPI.COMM_WORLD.Get_rank()
-        size = MPI.COMM_WORLD.Get_size()
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
-        lines = "".join(f"[rank {rank}] {line}\n" for line in text.rstrip("\n").split("\n"))
-        try:
-            head = f"[rank {rank}] distutils_ml: uncaught exception on rank {rank} of {size}; aborting the MPI job"
-            sys.stderr.write(f"{head}\n{lines}")
-            sys.stderr.flush()
-            sys.stdout.flush()
-        finally:
-            if previous is not sys.__excepthook__:
-                previous(exc_type, exc, tb)
-            MPI.COMM_WORLD.Abort(1)
+        _report_and_abort(MPI, exc_type, exc, tb, then=None if previous is sys.__excepthook__ else previous)
+
+    def at_exit() -> None:
+        exc = getattr(sys, "last_value", None)
+        if exc is None or hasattr(sys, "ps1") or sys.flags.interactive or MPI.Is_finalized():
+            return  # a clean exit, or an interactive session (which shows errors and goes on)
+        _report_and_abort(MPI, type(exc), exc, exc.__traceback__, " (sys.excepthook was replaced by another library)")
 
     sys.excepthook = hook
+    # Registered after mpi4py's own exit handler (MPI_Finalize), so it runs before it.
+    atexit.register(at_exit)

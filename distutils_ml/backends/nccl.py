@@ -14,7 +14,8 @@ buffers and Python objects go through the MPI backend (Lux's design), so
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -112,6 +113,7 @@ class NCCLBackend(Backend):
     native_avg = True  # host buffers: the MPI backend sums and divides per segment
 
     def __init__(self, *, mpi_backend: MPIBackend | None = None, cuda_devices: Any = None, **mpi_options: Any) -> None:
+        super().__init__()
         nccl = _import_nccl()
         if mpi_backend is None:
             from distutils_ml.registry import get_distributed_backend, initialize
@@ -119,6 +121,7 @@ class NCCLBackend(Backend):
             initialize(MPIBackend, **mpi_options)
             mpi_backend = get_distributed_backend(MPIBackend)
         self.mpi = mpi_backend
+        self.debug = mpi_backend.debug
         self.device = _pick_device(cuda_devices, mpi_backend.node_local_rank, mpi_backend.node_size, mpi_backend.rank)
         if self.device is not None:
             torch.cuda.set_device(self.device)
@@ -155,8 +158,17 @@ class NCCLBackend(Backend):
     def _barrier(self) -> None:
         self.mpi._barrier()
 
-    def _bcast_object(self, obj: Any, root: int) -> Any:
-        return self.mpi._bcast_object(obj, root)
+    def _bcast_bytes(self, data: bytes | None, root: int, make: Callable[[], bytes] | None = None) -> bytes:
+        return self.mpi._bcast_bytes(data, root, make)
+
+    def _allgather_bytes(self, data: bytes) -> list[bytes]:
+        return self.mpi._allgather_bytes(data)
+
+    def _abort(self, message: str) -> NoReturn:
+        self.mpi._abort(message)
+
+    def _check_call(self, kind: str, shape: Any, dtype: str | None, op: ReduceOp | None, root: int) -> None:
+        self.mpi._check_call(kind, shape, dtype, op, root)
 
     # -- CUDA buffers: NCCL ------------------------------------------------------------------
 

@@ -1,0 +1,199 @@
+"""Object collectives: ``bcast_object`` and ``allgather_object`` (any picklable value, any size).
+
+Objects travel as pickles, in pieces, so nothing limits their size (MPI counts are C
+ints; a pickle over 2 GiB is sent in 1 GiB pieces). Nothing fails on one rank only:
+
+- a value that cannot be pickled raises on every rank, naming the rank that held it;
+- a value that some rank cannot unpickle (a class defined only in root's ``__main__``)
+  raises on every rank too: after the transfer, the ranks agree on whether every one
+  of them could read what it received.
+
+:func:`run_on_root` lets root compute the value *inside* the collective (slow file
+I/O, pickling), so the waiting ranks do not report root as missing, and raises root's
+error on every rank.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import pickle
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from distutils_ml.backends.base import Backend, check_backend
+from distutils_ml.collectives import _check_root
+
+__all__ = ["allgather_object", "bcast_object", "run_on_root"]
+
+T = TypeVar("T")
+_OK, _FAILED = b"\x00", b"\x01"
+# Where the class of a remote error is looked up, to raise the same class on every rank.
+_ERROR_MODULES = {"builtins": builtins, "pickle": pickle, "_pickle": pickle}
+
+
+@contextlib.contextmanager
+def exclusive(backend: Backend, caller: str) -> Iterator[None]:
+    """Hold ``backend`` for this thread during a call made of several collectives."""
+    backend._enter(caller)
+    try:
+        yield
+    finally:
+        backend._leave()
+
+
+def _pack(produce: Callable[[], Any]) -> tuple[bytes, BaseException | None]:
+    """``produce()`` pickled behind a status byte; a failure becomes a pickled description instead."""
+    try:
+        return _OK + pickle.dumps(produce(), protocol=pickle.HIGHEST_PROTOCOL), None
+    except Exception as exc:
+        return _FAILED + pickle.dumps((type(exc).__module__, type(exc).__qualname__, str(exc))), exc
+
+
+def _remote_error(status: tuple[str, str, str], message: str) -> Exception:
+    """An exception of the remote error's class where it is a builtin or pickle error, else RuntimeError."""
+    module, name, text = status
+    cls = getattr(_ERROR_MODULES.get(module), name, None)
+    full = f"{message}: {name}: {text}"
+    try:
+        if isinstance(cls, type) and issubclass(cls, Exception):
+            return cls(full)
+    except Exception:  # a class that cannot be built from one message
+        pass
+    return RuntimeError(full)
+
+
+def _unpack(data: bytes) -> tuple[bool, Any]:
+    """(True, value) or (False, the producer's error description); may raise while unpickling."""
+    return data[:1] == _OK, pickle.loads(memoryview(data)[1:])
+
+
+def _agree(backend: Backend, problem: str | None, caller: str) -> None:
+    """Raise on every rank if any rank had a ``problem`` reading what it received."""
+    problems = [pickle.loads(p) for p in backend._allgather_bytes(pickle.dumps(problem))]
+    bad = {r: p for r, p in enumerate(problems) if p is not None}
+    if bad:
+        detail = "; ".join(f"rank {r}: {p}" for r, p in bad.items())
+        raise RuntimeError(
+            f"{caller}: rank(s) {sorted(bad)} could not unpickle what they received ({detail}). Every rank must be "
+            "able to import the classes of the object: define them in a module, not in one rank's __main__ only"
+        )
+
+
+def _broadcast(backend: Backend, root: int, produce: Callable[[], Any], caller: str, failed: str) -> Any:
+    """``produce()`` run on root inside one object broadcast; its value (or, prefixed by ``failed``, its error)."""
+    if backend.debug:
+        backend._check_call("bcast_object", None, None, None, root)
+    is_root = backend.rank == root
+    cause: list[BaseException | None] = [None]
+    value: list[Any] = [None]
+
+    def make() -> bytes:
+        def keep() -> Any:
+            value[0] = produce()
+            return value[0]
+
+        data, cause[0] = _pack(keep)
+        return data
+
+    data = backend._bcast_bytes(None, root, make if is_root else None)
+    problem = None
+    ok, received = True, None
+    if not is_root:
+        try:
+            ok, received = _unpack(data)
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+    else:
+        ok = data[:1] == _OK
+        received = value[0] if ok else pickle.loads(memoryview(data)[1:])
+    _agree(backend, problem, caller)
+    if not ok:
+        raise _remote_error(received, failed) from cause[0]
+    return received
+
+
+def bcast_object(backend: Backend, obj: Any, *, root: int = 0) -> Any:
+    """Return root's ``obj`` on every rank: any picklable value, of any size.
+
+    Root gets its own ``obj`` back (not a copy); the other ranks get an unpickled copy.
+    Only root's ``obj`` is read.
+
+    Args:
+        backend: from ``dml.get_distributed_backend``.
+        obj: a picklable value (metrics, a config, RNG states...).
+        root: the rank whose value every rank gets.
+
+    Raises:
+        TypeError / pickle.PicklingError: root's value cannot be pickled (raised on every rank).
+        RuntimeError: some rank could not unpickle it (raised on every rank, naming them).
+
+    Example:
+        >>> dml.bcast_object(backend, {"lr": 0.1, "epochs": 3}, root=0)
+        {'lr': 0.1, 'epochs': 3}
+    """
+    check_backend(backend, "bcast_object")
+    root = _check_root(backend, root)
+    with exclusive(backend, "bcast_object"):
+        failed = f"bcast_object: the object of rank {root} cannot be pickled"
+        return _broadcast(backend, root, lambda: obj, "bcast_object", failed)
+
+
+def run_on_root(backend: Backend, fn: Callable[[], T], *, root: int = 0, what: str = "run_on_root") -> T:
+    """Run ``fn()`` on root inside one object broadcast; return its value on every rank.
+
+    While root runs ``fn`` (slow file I/O, pickling), every rank counts as inside this
+    collective, so stall detection does not take root for missing. If ``fn`` raises on
+    root, every rank raises: the same class for builtin and pickle errors, else
+    ``RuntimeError``, with the message ``f"{what}: rank {root}: {Class}: {text}"``
+    (chained from the original exception on root).
+    """
+    check_backend(backend, what)
+    root = _check_root(backend, root)
+    with exclusive(backend, what):
+        return _broadcast(backend, root, fn, what, f"{what}: rank {root}")
+
+
+def allgather_object(backend: Backend, obj: Any) -> list[Any]:
+    """Return every rank's ``obj``, in rank order, on every rank: any picklable values, of any size.
+
+    Args:
+        backend: from ``dml.get_distributed_backend``.
+        obj: this rank's picklable value.
+
+    Returns:
+        ``[obj of rank 0, obj of rank 1, ...]``; this rank's entry is its own ``obj``.
+
+    Raises:
+        TypeError / pickle.PicklingError: some rank's value cannot be pickled (raised on
+            every rank, naming that rank).
+        RuntimeError: some rank could not unpickle another's value (raised on every rank).
+
+    Example:
+        >>> dml.allgather_object(backend, {"rank": dml.local_rank(backend), "loss": 0.5})
+        [{'rank': 0, 'loss': 0.5}]
+    """
+    check_backend(backend, "allgather_object")
+    with exclusive(backend, "allgather_object"):
+        if backend.debug:
+            backend._check_call("allgather_object", None, None, None, -1)
+        mine, cause = _pack(lambda: obj)
+        parts = backend._allgather_bytes(mine)
+        values: list[Any] = []
+        problem = None
+        for r, data in enumerate(parts):
+            if r == backend.rank:
+                values.append((data[:1] == _OK, obj if cause is None else pickle.loads(memoryview(data)[1:])))
+                continue
+            try:
+                values.append(_unpack(data))
+            except Exception as exc:
+                problem = problem or f"{type(exc).__name__} reading rank {r}'s object: {exc}"
+                values.append((True, None))
+        _agree(backend, problem, "allgather_object")
+        for r, (ok, value) in enumerate(values):
+            if not ok:
+                raise _remote_error(value, f"allgather_object: the object of rank {r} cannot be pickled") from (
+                    cause if r == backend.rank else None
+                )
+        return [value for _, value in values]
