@@ -17,6 +17,12 @@ Ranks run the script under ``python -m mpi4py``, which aborts the whole job when
 leaves through ``sys.exit(non-zero)`` or Ctrl-C (the library's own hook covers uncaught
 exceptions, but Python gives no hook for ``SystemExit``).
 
+The job ends with the launcher: SIGINT, SIGTERM and SIGHUP (a closed terminal or SSH
+session) are passed on to mpiexec, which ends the ranks; and on Linux mpiexec gets SIGTERM
+when the launcher dies in any other way (SIGKILL, an out-of-memory kill), through the
+kernel's parent-death signal. Other systems have no such signal: there a launcher killed
+with SIGKILL leaves mpiexec and the ranks running.
+
 Every other option before the script goes to mpiexec untouched (``--hostfile``, ``-H``,
 ``--map-by``, ``-x``, ...); everything after the script goes to the script.
 ``--dry-run`` prints the command instead of running it.
@@ -24,6 +30,7 @@ Every other option before the script goes to mpiexec untouched (``--hostfile``, 
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import shlex
@@ -31,7 +38,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -337,19 +344,54 @@ def _refuses_root(options: list[str], environ: Mapping[str, str]) -> bool:
 
 
 def _run(command: Command) -> int:
-    """Run ``command``, passing SIGINT and SIGTERM on to it, and return its exit status."""
-    proc = subprocess.Popen(command.argv, env={**os.environ, **command.env})
+    """Run ``command``, passing SIGINT, SIGTERM and SIGHUP on to it, and return its exit status.
+
+    On Linux, the command also gets SIGTERM if this process dies without passing a signal on.
+    """
+    arm = _die_with_parent()
+    # preexec_fn runs between fork and exec; arm only makes three system calls (no imports, no I/O).
+    proc = subprocess.Popen(command.argv, env={**os.environ, **command.env}, preexec_fn=arm)  # noqa: PLW1509
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         proc.send_signal(signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
     try:
         code = proc.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 128 - code if code < 0 else code
+
+
+# SIGHUP: the terminal or SSH session closed. Windows has none.
+_FORWARDED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the child sent SIGTERM when this process dies (Linux), else None.
+
+    The kernel's parent-death signal fires when the thread that started the child ends, so
+    the launcher runs mpiexec from its main thread. If the launcher died before the child
+    armed the signal, the child ends itself at once.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    parent = os.getpid()
+
+    def arm() -> None:  # in the child, between fork and exec
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
 
 
 if __name__ == "__main__":

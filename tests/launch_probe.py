@@ -1,7 +1,13 @@
-"""Run by tests/test_launch.py under ``distutils-ml launch``: each rank reports what it got."""
+"""Run by tests/test_launch.py under ``distutils-ml launch``: each rank reports what it got.
+
+With ``--wait DIR`` each rank then writes its process id to ``DIR/rank<r>.pid`` and sleeps,
+for the tests that end the launcher and look for surviving ranks.
+"""
 
 import os
 import sys
+import time
+from pathlib import Path
 
 import torch
 from mpi4py import MPI
@@ -12,3 +18,8 @@ print(
     f"cpus {len(os.sched_getaffinity(0))} args {sys.argv[1:]}",
     flush=True,
 )
+if "--wait" in sys.argv:
+    ready = Path(sys.argv[sys.argv.index("--wait") + 1]) / f"rank{comm.rank}.pid"
+    ready.with_suffix(".tmp").write_text(str(os.getpid()))
+    ready.with_suffix(".tmp").rename(ready)
+    time.sleep(300)

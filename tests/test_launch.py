@@ -245,11 +245,13 @@ def test_root_is_refused_before_launching() -> None:
 # --- running ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_signals_reach_mpiexec_and_its_status_comes_back(tmp_path: Path, signum: int) -> None:
     ready = tmp_path / "ready"
     fake = tmp_path / "mpiexec"
-    script = f"[ \"$1\" = --version ] && exit 0\ntrap 'exit 7' INT TERM\ntouch {ready}\nwhile :; do sleep 0.05; done\n"
+    script = (
+        f"[ \"$1\" = --version ] && exit 0\ntrap 'exit 7' INT TERM HUP\ntouch {ready}\nwhile :; do sleep 0.05; done\n"
+    )
     fake.write_text("#!/bin/sh\n" + script)
     fake.chmod(0o755)
 
@@ -279,3 +281,60 @@ def test_real_job_ranks_get_their_threads() -> None:
     for rank in (0, 1):
         line = f"rank {rank} of 2: threads 2 cpus {cpus} args ['--tag', 'x.py']"
         assert line in proc.stdout, proc.stdout + proc.stderr
+
+
+def _job_processes(pid: int) -> set[int]:
+    """``pid``'s descendants (mpiexec and the ranks it started), found through /proc."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    found = {pid}
+    while grown := {child for child, parent in parents.items() if parent in found} - found:
+        found |= grown
+    return found - {pid}
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for its parent is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@requires_mpi
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGKILL])
+def test_the_job_ends_with_the_launcher(tmp_path: Path, signum: int) -> None:
+    """SIGHUP is passed on to mpiexec; SIGKILL of the launcher ends mpiexec (parent-death signal) and the ranks."""
+    cmd = [sys.executable, "-m", "distutils_ml.launch", "launch", "-n", "2", "--threads-per-rank", "1"]
+    cmd += [str(ROOT / "tests" / "launch_probe.py"), "--wait", str(tmp_path)]
+    env = cli_env(**ROOT_VARS, OMPI_MCA_btl="^ofi")
+    with (tmp_path / "out.txt").open("w") as out:  # run outside the checkout: the installed launcher
+        launcher = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
+    pids = [tmp_path / f"rank{rank}.pid" for rank in (0, 1)]
+    job: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while not all(p.exists() for p in pids) and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(p.exists() for p in pids), (tmp_path / "out.txt").read_text()
+        ranks = {int(p.read_text()) for p in pids}
+        job = _job_processes(launcher.pid) | ranks
+        assert ranks <= job and len(job) > len(ranks)  # mpiexec, its helpers and the ranks
+        launcher.send_signal(signum)
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(map(_running, job)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        survivors = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in job if _running(pid)}
+        assert not survivors, f"still running after the launcher got signal {signum}: {survivors}"
+    finally:
+        launcher.kill()
+        launcher.wait()
+        for pid in job:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
