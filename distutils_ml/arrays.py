@@ -122,6 +122,28 @@ def _type_error(buf: Any, name: str) -> Exception:
     )
 
 
+def _unusual_tensor(buf: torch.Tensor, name: str, in_place: bool) -> Exception | None:
+    """An error for a tensor that is not a plain dense one (sparse, nested, a lazy negation/conjugate view)."""
+    if buf.is_nested:
+        return TypeError(
+            f"{name}: a nested tensor is not supported; allowed: dense (strided) tensors. Send its components "
+            "one by one, or pad them into one dense tensor (torch.nested.to_padded_tensor)"
+        )
+    if buf.layout is not torch.strided:
+        layout = str(buf.layout).removeprefix("torch.")
+        return TypeError(
+            f"{name}: a {layout} tensor is not supported; allowed: dense (strided) tensors. "
+            "Convert it with .to_dense() (and back with .to_sparse() after the collective)"
+        )
+    if in_place and (buf.is_neg() or buf.is_conj()):
+        bit = "negative" if buf.is_neg() else "conjugate"
+        return ValueError(
+            f"{name}: the tensor has its {bit} bit set (a lazy view, e.g. from torch._neg_view or .conj()) and "
+            f"cannot receive a result in place; pass a materialized tensor (.resolve_{bit[:3]}()) and copy back"
+        )
+    return None
+
+
 def cuda_tensor(buf: Any, name: str) -> torch.Tensor:
     """A torch CUDA tensor sharing ``buf``'s memory (a CUDA tensor itself, or a CuPy array via DLPack).
 
@@ -134,6 +156,9 @@ def cuda_tensor(buf: Any, name: str) -> torch.Tensor:
         t = torch.from_dlpack(buf)  # zero-copy; ordered after CuPy's current stream
     else:
         raise TypeError(f"{name}: got {type(buf).__qualname__}; allowed: a CUDA torch.Tensor or a CuPy array")
+    unusual = _unusual_tensor(t, name, in_place=False)
+    if unusual is not None:
+        raise unusual
     if not t.is_cuda:
         raise TypeError(f"{name}: a tensor on device '{t.device}' where a CUDA buffer was expected")
     if t.dtype not in _TORCH_DTYPES:
@@ -176,6 +201,9 @@ def _torch_view(buf: torch.Tensor, name: str, contiguous: bool) -> tuple[np.ndar
 
 
 def _torch_view_checked(buf: torch.Tensor, name: str, contiguous: bool) -> tuple[np.ndarray, str]:
+    unusual = _unusual_tensor(buf, name, in_place=contiguous)
+    if unusual is not None:
+        raise unusual
     if not buf.is_cpu:
         raise _type_error(buf, name)
     dt = _TORCH_DTYPES.get(buf.dtype)
@@ -185,6 +213,8 @@ def _torch_view_checked(buf: torch.Tensor, name: str, contiguous: bool) -> tuple
         raise not_contiguous(name, buf.shape)
     if buf.requires_grad:
         buf = buf.detach()
+    if buf.is_neg() or buf.is_conj():  # a lazy view read as a source: materialize it
+        buf = buf.resolve_neg().resolve_conj()
     if dt == "bfloat16":
         buf = buf.view(torch.int16)
     return buf.numpy(), dt

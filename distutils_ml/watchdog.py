@@ -141,6 +141,8 @@ def reply_window(timeout: float) -> float:
 
 
 _REQUEST, _REPLY = 1, 2
+#: A rank's answer: (last started seq, what it is doing, what its collective #N was, what its last one was).
+Status = tuple[int, str, str, str]
 
 
 class MPIWatchdog:
@@ -169,10 +171,12 @@ class MPIWatchdog:
         if self._thread is not threading.current_thread():
             self._thread.join(self.poll + 1.0)
 
-    def _status(self) -> tuple[int, str, str]:
-        """(last started seq, what this rank is doing, the last collective it started)."""
-        last = self.backend._last
-        return self.backend._seq, _describe_inflight(self.backend._inflight), "" if last is None else _call_text(last)
+    def _status(self, seq: int) -> Status:
+        """(last started seq, what this rank is doing, what its collective #seq was, what its last one was)."""
+        history = self.backend._history
+        call = next((_call_text(r) for r in reversed(history) if r[0] == seq), "")
+        last = _call_text(history[-1]) if history else ""
+        return self.backend._seq, _describe_inflight(self.backend._inflight), call, last
 
     def _send(self, obj: Any, dest: int, tag: int) -> None:
         """A non-blocking send whose request is kept until it completes (never blocks on a dead rank)."""
@@ -184,8 +188,8 @@ class MPIWatchdog:
         st = MPI.Status()
         while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_REQUEST, status=st):
             src = st.Get_source()
-            token = self.comm.recv(source=src, tag=_REQUEST)
-            self._send((token, *self._status()), src, _REPLY)
+            token, seq = self.comm.recv(source=src, tag=_REQUEST)
+            self._send((token, *self._status(seq)), src, _REPLY)
 
     def _run(self) -> None:
         warned_seq = -1
@@ -218,15 +222,15 @@ class MPIWatchdog:
         sys.stderr.write(f"[rank {self.backend.rank}] distutils_ml: {text}\n")
         sys.stderr.flush()
 
-    def _collect(self) -> dict[int, tuple[int, str, str]]:
-        """Every rank's ``_status()``; ranks that do not answer in time are left out."""
+    def _collect(self, seq: int) -> dict[int, Status]:
+        """Every rank's ``_status(seq)``; ranks that do not answer in time are left out."""
         MPI = self.backend._MPI
         rank, size = self.backend.rank, self.backend.size
         self._token += 1
         for r in range(size):
             if r != rank:
-                self._send(self._token, r, _REQUEST)
-        replies: dict[int, tuple[int, str, str]] = {rank: self._status()}
+                self._send((self._token, seq), r, _REQUEST)
+        replies: dict[int, Status] = {rank: self._status(seq)}
         deadline = time.monotonic() + reply_window(self.timeout)
         st = MPI.Status()
         while len(replies) < size and time.monotonic() < deadline:
@@ -245,18 +249,20 @@ class MPIWatchdog:
         seq = record[0]
         mine = _describe_inflight(record)
         call = _call_text(record)
-        replies = self._collect()
+        replies = self._collect(seq)
         missing, different, lines = [], [], []
         for r in range(self.backend.size):
             if r not in replies:
                 missing.append(r)
                 lines.append(f"  rank {r}: no answer (stuck outside Python, exited, or dead)")
                 continue
-            r_seq, what, last = replies[r]
+            r_seq, what, theirs, last = replies[r]
             note = ""
-            if r_seq == seq and last != call:  # its collective #seq, running or finished, is another one
+            if theirs and theirs != call:  # its collective #seq, running or finished, is another one
                 different.append(r)
-                note = " (a different collective: debug=True or DML_DEBUG=1 checks every call)"
+                note = (
+                    f" (its #{seq} was {theirs}: a different collective; debug=True or DML_DEBUG=1 checks every call)"
+                )
             elif r_seq < seq:
                 missing.append(r)
             elif r_seq > seq:

@@ -8,15 +8,19 @@ every form; hypothesis adds random shapes, spellings and roots, per collective a
 
 from __future__ import annotations
 
+import threading
+import warnings
 import zlib
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, seed, settings
 
 import distutils_ml as dml
 
 from bodies import BODIES, DTYPES, REDUCTIONS, Case, bad_calls, bad_input_body, cases, matrix_body, matrix_size
+from mpirun import requires_mpi, run_mpi
 
 WORLD_SIZES = range(1, 6)
 EXAMPLES = {"allreduce": 6, "reduce": 6, "bcast": 3, "allgather": 3}  # per dtype, each on every world size
@@ -74,3 +78,117 @@ def test_world_of_one_is_identity() -> None:
         dml.barrier(b)
         # Every op, dtype and form of every collective: the result is the input.
         assert matrix_body(b) == matrix_size()
+
+
+# -- two threads, debug fingerprints, unusual tensors ----------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_second_thread_in_a_collective_is_refused_naming_both(world: int) -> None:
+    def body(b: dml.Backend) -> str | None:
+        inside, release, errors = threading.Event(), threading.Event(), []
+
+        def metrics() -> None:
+            inside.wait(10)
+            try:
+                dml.allreduce(b, np.ones(2), dml.SUM)
+            except RuntimeError as err:
+                errors.append(str(err))
+            release.set()
+
+        helper = threading.Thread(target=metrics, name="metrics-logger")
+        helper.start()
+        # Hold the backend as a composite call would (synchronize, save...), then let the helper try.
+        from distutils_ml.objects import exclusive
+
+        with exclusive(b, "synchronize"):
+            inside.set()
+            release.wait(10)
+            buf = np.ones(3)
+            dml.allreduce(b, buf, dml.SUM)  # the owner itself may go on (re-entrant)
+        helper.join()
+        assert (buf == b.size).all()
+        return errors[0] if errors else None
+
+    for text in dml.LocalBackend.spawn(world, body, timeout=60):
+        assert text is not None, "the second thread was let in"
+        assert "thread 'metrics-logger' called a collective" in text, text
+        assert "while thread 'dml-local-rank-" in text or "while thread 'MainThread'" in text, text
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_simulated_ranks_compare_the_callers_dtype(world: int) -> None:
+    # bfloat16 travels as int16 and bool as uint8: the fingerprint must see what the caller passed.
+    def body(b: dml.Backend) -> list[str]:
+        texts = []
+        first = b.rank == 0
+        calls = [
+            lambda: dml.bcast(b, torch.zeros(3, dtype=torch.bfloat16 if first else torch.int16), root=0),
+            lambda: dml.allreduce(b, np.zeros(3, dtype=np.bool_ if first else np.uint8), dml.MAX),
+        ]
+        for call in calls:
+            with pytest.raises(dml.CollectiveMismatchError) as info:
+                call()
+            texts.append(str(info.value))
+        return texts
+
+    for bf16, flags in dml.LocalBackend.spawn(world, body, timeout=60):
+        assert "dtype=bfloat16" in bf16 and "dtype=int16" in bf16, bf16
+        assert "dtype=bool" in flags and "dtype=uint8" in flags, flags
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_debug_spawn_names_a_branch_only_one_rank_takes(world: int) -> None:
+    def body(b: dml.Backend) -> str:
+        buf = np.ones(2)
+        with pytest.raises(dml.CollectiveMismatchError) as info:
+            if b.rank == 0:
+                dml.allreduce(b, buf, dml.SUM)  # an extra call only rank 0 makes
+            dml.allreduce(b, buf, dml.SUM)
+        dml.barrier(b)
+        return str(info.value)
+
+    for text in dml.LocalBackend.spawn(world, body, timeout=60, debug=True):
+        assert text.count("test_collectives.py:") == 2, text
+    # Without debug, the same program is not caught (the same kind, shape and dtype): the docs say so.
+    with pytest.raises(BaseException) as info:
+        dml.LocalBackend.spawn(2, body, timeout=60, debug=False)
+    assert "DID NOT RAISE" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "words"),
+    [
+        (lambda: torch.eye(3).to_sparse(), TypeError, "a sparse_coo tensor is not supported"),
+        (lambda: torch.eye(3).to_sparse_csr(), TypeError, "a sparse_csr tensor is not supported"),
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), TypeError, "a nested tensor"),
+        (lambda: torch._neg_view(torch.ones(3)), ValueError, "negative bit set"),
+    ],
+)
+def test_unusual_tensors_are_named(make, error, words) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sparse CSR and nested tensors warn that they are beta
+        buf = make()
+
+    def body(b: dml.Backend) -> None:
+        with pytest.raises(error, match=words):
+            dml.allreduce(b, buf, dml.SUM)
+        out = np.ones(2)
+        dml.allreduce(b, out, dml.SUM)  # nothing was sent
+        assert (out == b.size).all()
+
+    dml.LocalBackend.spawn(2, body, timeout=30)
+
+
+def test_a_negative_view_is_read_as_its_value() -> None:
+    out = torch.empty(3)
+    dml.allreduce(dml.LocalBackend(), torch._neg_view(torch.ones(3)), out, dml.SUM)
+    assert out.tolist() == [-1.0, -1.0, -1.0]
+
+
+@requires_mpi
+def test_past_2_31_elements_under_mpiexec() -> None:
+    # bcast, allreduce with segment_bytes=0, allgather of a 2 GiB send and a 2 GiB object on 2 ranks (~12 GiB).
+    job = run_mpi(2, ["tests/core_job.py", "big"], timeout=600)
+    assert job.returncode == 0, job.output[-8000:]
+    assert "CORE JOB PASSED: big on 2 ranks" in job.output, job.output[-8000:]

@@ -58,3 +58,14 @@ def test_sys_exit_on_one_rank_ends_the_launched_job() -> None:
     assert job.returncode != 0, job.output[-8000:]
     assert job.seconds < LIMIT_S and after_fault < LIMIT_S, f"took {job.seconds:.1f} s ({after_fault:.1f} s after)"
     assert "NOT ABORTED" not in job.output and "step 3 done" not in job.output, job.output[-8000:]
+
+
+def test_uncaught_exception_aborts_even_when_another_library_replaced_the_hook() -> None:
+    # Under plain `mpiexec python` (no launcher), after a rich/sentry-style sys.excepthook replaced ours
+    # without chaining, rank 1 raises while rank 0 waits in an allreduce (stall timeout: the default 300 s).
+    job = run_mpi(2, ["tests/core_job.py", "hook_replaced"], timeout=120)
+    assert job.returncode != 0, job.output[-8000:]
+    assert job.seconds < 30, f"took {job.seconds:.1f} s: the abort waited for the stall timeout"
+    assert "OTHER HOOK: RuntimeError: deliberate failure on rank 1" in job.output, job.output[-8000:]
+    assert "[rank 1] distutils_ml: uncaught exception on rank 1 of 2 (sys.excepthook was replaced" in job.output
+    assert "[rank 1] RuntimeError: deliberate failure on rank 1" in job.output, job.output[-8000:]

@@ -206,22 +206,24 @@ RECORD_ARGS = ("allreduce", (4,), np.dtype(np.float32), dml.SUM, -1)
 CALL = "allreduce(shape=(4,), dtype=float32, op=dml.SUM)"
 MINE = f"in {CALL} #2"
 EARLIER = "allreduce(shape=(2,), dtype=float64, op=dml.SUM)"
+BCAST = "bcast(shape=(4,), dtype=float32, root=0)"
 
 
-def _verdict(replies: dict[int, tuple[int, str, str]], *, ends_meanwhile: bool = False) -> list[int]:
+def _verdict(replies: dict[int, tuple[int, str, str, str]], *, ends_meanwhile: bool = False) -> list[int]:
     """Run rank 0's check of collective #2 (of 3 ranks) on the other ranks' ``replies``; return the aborts.
 
-    A reply is (last started seq, what the rank is doing, the last collective it started).
+    A reply is (last started seq, what the rank is doing, what its #2 was, the last collective it started).
     """
     mpi = _FakeMPI()
     record = (2, *RECORD_ARGS, time.monotonic())
-    backend = SimpleNamespace(_MPI=mpi, rank=0, size=3, _seq=2, _inflight=record, _last=record)
+    backend = SimpleNamespace(_MPI=mpi, rank=0, size=3, _seq=2, _inflight=record, _history=[record])
     dog = MPIWatchdog(backend, _QuietComm(), timeout=1000.0)
 
-    def collect() -> dict[int, tuple[int, str, str]]:
+    def collect(seq: int) -> dict[int, tuple[int, str, str, str]]:
+        assert seq == 2
         if ends_meanwhile:
             backend._inflight = None
-        return {0: (2, MINE, CALL), **replies}
+        return {0: (2, MINE, CALL, CALL), **replies}
 
     dog._collect = collect  # type: ignore[method-assign]
     try:
@@ -232,20 +234,26 @@ def _verdict(replies: dict[int, tuple[int, str, str]], *, ends_meanwhile: bool =
 
 
 def test_every_rank_inside_the_collective_is_slow_not_stalled(capsys: pytest.CaptureFixture[str]) -> None:
-    aborts, err = _verdict({1: (2, MINE, CALL), 2: (3, "in barrier() #3", "barrier()")}), capsys.readouterr().err
+    aborts, err = (
+        _verdict({1: (2, MINE, CALL, CALL), 2: (3, "in barrier() #3", CALL, "barrier()")}),
+        capsys.readouterr().err,
+    )
     assert aborts == []
     assert f"[rank 0] distutils_ml: warning: waited 1000 s {MINE}, but every rank has joined it" in err, err
 
 
 def test_a_rank_that_has_not_started_the_collective_ends_the_job(capsys: pytest.CaptureFixture[str]) -> None:
-    aborts, err = _verdict({1: (2, MINE, CALL), 2: (1, "not in a collective", EARLIER)}), capsys.readouterr().err
+    aborts, err = (
+        _verdict({1: (2, MINE, CALL, CALL), 2: (1, "not in a collective", "", EARLIER)}),
+        capsys.readouterr().err,
+    )
     assert aborts == [1]
     assert f"stall: waited 1000 s (timeout 1000 s) {MINE}; rank(s) [2] have not arrived:" in err, err
     assert f"  rank 2: not in a collective (last started #1: {EARLIER})" in err, err
 
 
 def test_a_rank_without_answer_ends_the_job(capsys: pytest.CaptureFixture[str]) -> None:
-    aborts, err = _verdict({1: (2, MINE, CALL)}), capsys.readouterr().err
+    aborts, err = _verdict({1: (2, MINE, CALL, CALL)}), capsys.readouterr().err
     assert aborts == [1]
     assert "rank(s) [2] have not arrived" in err and "  rank 2: no answer" in err, err
 
@@ -254,8 +262,8 @@ def test_a_rank_in_a_different_collective_ends_the_job(capsys: pytest.CaptureFix
     aborts, err = (
         _verdict(
             {
-                1: (2, "in bcast(shape=(4,), dtype=float32, root=0) #2", "bcast(shape=(4,), dtype=float32, root=0)"),
-                2: (2, MINE, CALL),
+                1: (2, "in bcast(shape=(4,), dtype=float32, root=0) #2", BCAST, BCAST),
+                2: (2, MINE, CALL, CALL),
             }
         ),
         capsys.readouterr().err,
@@ -270,21 +278,34 @@ def test_a_rank_that_finished_a_different_collective_with_the_same_number_ends_t
     # Rank 1 ran `if rank == 1: dml.save(...)` (an object broadcast it could finish alone as root) as its #2,
     # then stopped communicating: not "slow", a stall naming rank 1 and both calls.
     other = "bcast_object(root=1)"
-    aborts, err = _verdict({1: (2, "not in a collective", other), 2: (2, MINE, CALL)}), capsys.readouterr().err
+    aborts, err = (
+        _verdict({1: (2, "not in a collective", other, other), 2: (2, MINE, CALL, CALL)}),
+        capsys.readouterr().err,
+    )
     assert aborts == [1], err
     assert "rank(s) [1] called a different collective" in err, err
-    assert f"  rank 1: not in a collective (last started #2: {other})" in err, err
+    assert f"  rank 1: not in a collective (last started #2: {other}) (its #2 was {other}" in err, err
     assert MINE in err, err
 
 
+def test_a_rank_that_went_on_past_a_different_collective_ends_the_job(capsys: pytest.CaptureFixture[str]) -> None:
+    # Rank 1's #2 was another collective, and it is now blocked in its #3 (which nobody else reaches).
+    aborts, err = (
+        _verdict({1: (3, "in barrier() #3", BCAST, "barrier()"), 2: (2, MINE, CALL, CALL)}),
+        capsys.readouterr().err,
+    )
+    assert aborts == [1], err
+    assert f"  rank 1: in barrier() #3 (its #2 was {BCAST}: a different collective" in err, err
+
+
 def test_a_collective_that_ends_while_the_answers_come_is_left_alone(capsys: pytest.CaptureFixture[str]) -> None:
-    aborts = _verdict({1: (2, MINE, CALL), 2: (1, "not in a collective", EARLIER)}, ends_meanwhile=True)
+    aborts = _verdict({1: (2, MINE, CALL, CALL), 2: (1, "not in a collective", "", EARLIER)}, ends_meanwhile=True)
     err = capsys.readouterr().err
     assert aborts == [] and err == ""
 
 
 def test_a_failing_watchdog_says_so_before_stopping(capsys: pytest.CaptureFixture[str]) -> None:
-    backend = SimpleNamespace(_MPI=_FakeMPI(), rank=4, size=8, _seq=0, _inflight=None, _last=None)
+    backend = SimpleNamespace(_MPI=_FakeMPI(), rank=4, size=8, _seq=0, _inflight=None, _history=[])
     dog = MPIWatchdog(backend, _QuietComm(RuntimeError("probe failed")), timeout=0.2)
     dog._thread.join(5)
     assert not dog._thread.is_alive()
@@ -330,3 +351,27 @@ def test_slow_collective_that_every_rank_joined_is_not_ended() -> None:
     assert "in bcast_object(root=0) #2, but every rank has joined it: slow, not stalled" in out, out[-8000:]
     assert "stall:" not in out and out.count("NOT ABORTED") == 3, out[-8000:]
     assert out.count("rank(s) [0] called allreduce(shape=(2,), dtype=float64, op=dml.AVG)") == 3, out[-8000:]
+
+
+@requires_mpi
+def test_debug_mode_still_reports_a_stall() -> None:
+    # debug=True, timeout=3: the last rank never joins; the others wait in the debug check's exchange.
+    job = run_mpi(2, ["tests/core_job.py", "debug_stall"], timeout=120)
+    out = job.output
+    assert job.returncode != 0, out[-8000:]
+    assert job.seconds < 3 + 30, f"took {job.seconds:.1f} s"
+    call = "check of allreduce(shape=(4,), dtype=float32, op=dml.SUM) #3"
+    assert f"stall: waited 3 s (timeout 3 s) in {call}; rank(s) [1] have not arrived" in out, out[-8000:]
+
+
+@requires_mpi
+def test_a_rank_that_finished_another_collective_with_the_same_number_is_named() -> None:
+    # Rank 0 runs an object broadcast it can finish alone as root (`if rank == 0: dml.save(...)`) as its #2,
+    # then stops communicating while rank 1 waits in allreduce #2: the job ends about timeout (3 s) later.
+    job = run_mpi(2, ["tests/core_job.py", "other_call"], timeout=120)
+    out = job.output
+    assert job.returncode != 0, out[-8000:]
+    assert job.seconds < 3 + 30, f"took {job.seconds:.1f} s"
+    assert "slow, not stalled" not in out, out[-8000:]
+    assert "in allreduce(shape=(4,), dtype=float32, op=dml.SUM) #2; rank(s) [0] called a different collective" in out
+    assert "  rank 0: not in a collective (last started #2: bcast_object(root=0))" in out, out[-8000:]

@@ -15,6 +15,7 @@ other ranks never wait forever in a collective.
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import sys
 import threading
@@ -55,6 +56,7 @@ _KINDS = {
 #: The most bytes one MPI call moves: Open MPI 5 has no big-count calls (counts are C ints), so
 #: everything larger travels in pieces of this size.
 MAX_PIECE_BYTES = 1 << 30
+_HISTORY = 64
 _OP_CODES = {op: i for i, op in enumerate(ReduceOp)}
 
 
@@ -150,7 +152,8 @@ class MPIBackend(Backend):
         self.takes_device_buffers = bool(gpu_aware)
         self._seq = 0  # collectives started on this backend: the same count on every rank
         self._inflight: tuple | None = None  # (seq, kind, shape, dtype, op, root, start) while one runs
-        self._last: tuple | None = None  # the record of the last collective started
+        # The records of the last collectives started (the watchdog asks what a rank's #N was).
+        self._history: collections.deque[tuple] = collections.deque(maxlen=_HISTORY)
         if fail_fast:
             install_fail_fast(MPI)
         self.timeout = timeout
@@ -167,7 +170,8 @@ class MPIBackend(Backend):
         """Number this collective and show it to the watchdog."""
         self._seq += 1
         shape, dtype = (None, None) if arr is None else (arr.shape, arr.dtype)
-        self._inflight = self._last = (self._seq, kind, shape, dtype, op, root, time.monotonic())
+        self._inflight = record = (self._seq, kind, shape, dtype, op, root, time.monotonic())
+        self._history.append(record)
 
     def _check_call(self, kind: str, shape: Any, dtype: str | None, op: ReduceOp | None, root: int) -> None:
         """Debug mode: compare this call (kind, shape, the caller's dtype, op, root, call site) across ranks.
@@ -176,7 +180,8 @@ class MPIBackend(Backend):
         """
         site = call_site()
         self._seq += 1
-        self._inflight = self._last = (self._seq, f"check of {kind}", shape, dtype, op, root, time.monotonic())
+        self._inflight = record = (self._seq, f"check of {kind}", shape, dtype, op, root, time.monotonic())
+        self._history.append(record)
         try:
             mine = np.array(
                 [

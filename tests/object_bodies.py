@@ -1,0 +1,119 @@
+"""Bodies for the object collectives, run on LocalBackend.spawn (tests/test_objects.py) and under
+mpiexec (tests/core_job.py). Each takes the backend and asserts; every failure must be raised on
+every rank, after which the world must still work."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import distutils_ml as dml
+
+
+def _world_still_works(backend: dml.Backend) -> None:
+    buf = np.ones(3)
+    dml.allreduce(backend, buf, dml.SUM)
+    assert (buf == backend.size).all(), buf
+
+
+def values(backend: dml.Backend) -> None:
+    rank, size = backend.rank, backend.size
+    for root in range(size):
+        mine = {"rank": rank, "t": torch.arange(3) * rank, "s": "x" * rank, "n": None, "f": 0.5}
+        got = dml.bcast_object(backend, mine, root=root)
+        if rank == root:
+            assert got is mine
+        assert got["rank"] == root and got["s"] == "x" * root and torch.equal(got["t"], torch.arange(3) * root)
+    everyone = dml.allgather_object(backend, ("r", rank, [rank] * rank))
+    assert everyone == [("r", r, [r] * r) for r in range(size)], everyone
+    assert dml.bcast_object(backend, b"", root=size - 1) == b""
+    assert dml.allgather_object(backend, None) == [None] * size
+
+
+class _OnlyOnRoot:
+    """Pickles on every rank, but unpickles on the root only (as a class defined in root's __main__ would)."""
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[int]]:
+        return _rebuild_on_root, (self.root,)
+
+
+def _rebuild_on_root(root: int) -> _OnlyOnRoot:
+    rank = dml.local_rank(_current_backend())
+    if rank != root:
+        raise AttributeError(f"Can't get attribute 'OnlyOnRoot' on <module '__main__'> (rank {rank})")
+    return _OnlyOnRoot(root)
+
+
+def _current_backend() -> dml.Backend:
+    backend = dml.get_distributed_backend(dml.LocalBackend) if dml.initialized(dml.LocalBackend) else None
+    if backend is not None and backend.size > 1:
+        return backend
+    return dml.get_distributed_backend(dml.MPIBackend)
+
+
+def failures(backend: dml.Backend) -> None:
+    rank, size = backend.rank, backend.size
+    root = size - 1
+    # Root's value cannot be pickled: the same error class on every rank.
+    with pytest.raises(TypeError, match=rf"bcast_object: the object of rank {root} cannot be pickled: TypeError"):
+        dml.bcast_object(backend, threading.Lock() if rank == root else None, root=root)
+    _world_still_works(backend)
+    # Some ranks cannot unpickle root's value: every rank raises, naming them.
+    if size > 1:
+        with pytest.raises(RuntimeError, match=r"could not unpickle") as info:
+            dml.bcast_object(backend, _OnlyOnRoot(root) if rank == root else None, root=root)
+        assert f"rank(s) {[r for r in range(size) if r != root]}" in str(info.value), info.value
+        _world_still_works(backend)
+    # One rank's value cannot be pickled in an allgather.
+    culprit = 1 % size
+    with pytest.raises(TypeError, match=rf"allgather_object: the object of rank {culprit} cannot be pickled"):
+        dml.allgather_object(backend, threading.Lock() if rank == culprit else rank)
+    _world_still_works(backend)
+    # run_on_root: root's error, raised on every rank with its class; the value otherwise.
+    from distutils_ml.objects import run_on_root
+
+    def fails() -> None:
+        raise FileNotFoundError("no such checkpoint: /nowhere")
+
+    with pytest.raises(FileNotFoundError, match=rf"reading: rank {root}: FileNotFoundError: no such checkpoint"):
+        run_on_root(backend, fails if rank == root else lambda: None, root=root, what="reading")
+    assert run_on_root(backend, lambda: {"answer": 42}, root=root) == {"answer": 42}
+    with pytest.raises(RuntimeError, match=r"custom: rank 0: KeyboardInterruptLike: stop"):
+
+        class KeyboardInterruptLike(Exception):  # not a builtin: RuntimeError everywhere
+            pass
+
+        def custom() -> None:
+            raise KeyboardInterruptLike("stop")
+
+        run_on_root(backend, custom, root=0, what="custom")
+    _world_still_works(backend)
+    # Bad arguments raise before anything is sent.
+    with pytest.raises(ValueError, match="root: got"):
+        dml.bcast_object(backend, 1, root=size)
+    with pytest.raises(TypeError, match="backend instance"):
+        dml.allgather_object(dml.MPIBackend, 1)
+    _world_still_works(backend)
+
+
+def large_pickle(backend: dml.Backend) -> None:
+    """An object pickling to several MiB goes through unchanged (the pieces path on a tiny piece size)."""
+    rank = backend.rank
+    arr = np.random.default_rng(3).standard_normal(1 << 20)
+    got = dml.bcast_object(backend, {"a": arr} if rank == 0 else None)
+    assert np.array_equal(got["a"], arr)
+    parts = dml.allgather_object(backend, arr[: 1000 * (rank + 1)])
+    assert [len(p) for p in parts] == [1000 * (r + 1) for r in range(backend.size)]
+    assert pickle.dumps(parts[-1]) == pickle.dumps(arr[: 1000 * backend.size])
+
+
+BODIES = [values, failures, large_pickle]

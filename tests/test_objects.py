@@ -1,0 +1,26 @@
+"""Object collectives (distutils_ml/objects.py): the bodies of tests/object_bodies.py on simulated
+ranks (W = 1..4) and under real mpiexec with 2 and 3 ranks (tests/core_job.py)."""
+
+from __future__ import annotations
+
+import object_bodies
+import pytest
+
+import distutils_ml as dml
+
+from mpirun import requires_mpi, run_mpi
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("body", object_bodies.BODIES, ids=lambda b: b.__name__)
+def test_object_collectives_on_simulated_ranks(world: int, body) -> None:
+    dml.LocalBackend.spawn(world, body, timeout=60)
+
+
+@requires_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_object_collectives_threads_and_debug_under_mpiexec(ranks: int) -> None:
+    modes = ["objects", "threads", "debug"]
+    job = run_mpi(ranks, ["tests/core_job.py", *modes], timeout=180)
+    assert job.returncode == 0, job.output[-8000:]
+    assert f"CORE JOB PASSED: {' '.join(modes)} on {ranks} ranks" in job.output, job.output[-8000:]
