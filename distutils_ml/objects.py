@@ -54,7 +54,7 @@ def _remote_error(status: tuple[str, str, str], message: str) -> Exception:
     """An exception of the remote error's class where it is a builtin or pickle error, else RuntimeError."""
     module, name, text = status
     cls = getattr(_ERROR_MODULES.get(module), name, None)
-    full = f"{message}: {name}: {text}"
+    full = f"{message}: {name.rpartition('.')[2]}: {text}"
     try:
         if isinstance(cls, type) and issubclass(cls, Exception):
             return cls(full)
