@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import distutils_ml as dml
-from distutils_ml.watchdog import MPIWatchdog, reply_window, resolve_timeout
+from distutils_ml.watchdog import MPIWatchdog, reply_window, resolve_debug, resolve_timeout
 
 from mpirun import requires_mpi, run_mpi
 
@@ -126,6 +126,31 @@ def test_timeout_option_must_be_a_finite_number(timeout: float) -> None:
         dml.LocalBackend.spawn(2, lambda b: None, stall_timeout=timeout)
     with pytest.raises(ValueError, match=r"^timeout: got .*; allowed: a finite number of seconds >= 0"):
         dml.MPIBackend(timeout=timeout)
+
+
+@pytest.mark.parametrize("raw", ["2", "y", "garbage", "debug", "-1", "ja"])
+def test_dml_debug_refuses_unknown_values(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv("DML_DEBUG", raw)
+    with pytest.raises(ValueError, match=rf"DML_DEBUG: got '{re.escape(raw)}'; allowed: 1, true, yes, on"):
+        dml.LocalBackend.spawn(2, lambda b: None)
+    with pytest.raises(ValueError, match="DML_DEBUG"):
+        dml.MPIBackend()  # refused before MPI starts
+
+
+@pytest.mark.parametrize(("raw", "on"), [("1", True), ("TRUE", True), (" on ", True), ("0", False), ("off", False)])
+def test_dml_debug_words(monkeypatch: pytest.MonkeyPatch, raw: str, on: bool) -> None:
+    monkeypatch.setenv("DML_DEBUG", raw)
+    assert resolve_debug(None) is on
+    monkeypatch.setenv("DML_DEBUG", "")
+    assert resolve_debug(None) is False
+
+
+@pytest.mark.parametrize("timeout", [math.nan, math.inf, -1, 0, "10", True])
+def test_spawn_timeout_is_checked_before_any_rank_starts(timeout: object) -> None:
+    started = []
+    with pytest.raises(ValueError, match=r"^timeout: got .*; allowed: None \(no limit\) or a finite number"):
+        dml.LocalBackend.spawn(2, lambda b: started.append(b.rank), timeout=timeout)
+    assert started == []
 
 
 def test_zero_turns_stall_detection_off(monkeypatch: pytest.MonkeyPatch) -> None:
