@@ -1,6 +1,9 @@
-"""DistributedOptimizer and allreduce_gradients on LocalBackend.spawn."""
+"""DistributedOptimizer and allreduce_gradients on LocalBackend.spawn, and under mpiexec (tests/optimizer_job.py)."""
 
 from __future__ import annotations
+
+import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -9,11 +12,19 @@ from hypothesis import strategies as st
 
 import distutils_ml as dml
 
+from mpirun import requires_mpi, run_mpi
 from train_bodies import (
+    ConfigCase,
     TrainCase,
     accumulation_body,
+    check_warnings,
+    closure_body,
     compression_body,
+    config_cases,
+    config_mismatch_body,
+    late_backward_body,
     make_model,
+    sparse_gradient_body,
     train_body,
     train_cases,
     unused_parameters_body,
@@ -143,3 +154,90 @@ def test_step_and_state_dict_hooks_work_on_the_wrapper() -> None:
     opt.step()
     opt.load_state_dict(opt.state_dict())
     assert calls == ["pre True", "post True", "post True", "state_dict", "load"]
+
+
+# -- issue 11 ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_backward_after_synchronize_is_reduced_again_or_refused(world: int) -> None:
+    with warnings.catch_warnings(record=True) as recorded:  # process-wide: records every rank thread's warnings
+        warnings.simplefilter("always")
+        expected = dml.LocalBackend.spawn(world, late_backward_body, 3, timeout=60)
+    check_warnings([fragment for mine in expected for fragment in mine], recorded)
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=config_cases(), world=st.integers(2, 4))
+def test_configuration_differing_on_one_rank_raises_on_every_rank(case: ConfigCase, world: int) -> None:
+    dml.LocalBackend.spawn(world, config_mismatch_body, case, timeout=60)
+
+
+def _counting(backend: dml.Backend, counts: dict[str, int], name: str) -> None:
+    """Count this rank's calls of the backend primitive ``name`` (the collective still runs)."""
+    primitive = getattr(backend, name)
+
+    def counted(*args: Any) -> Any:
+        counts[name] += 1
+        return primitive(*args)
+
+    setattr(backend, name, counted)
+
+
+def test_configuration_is_compared_only_when_the_plan_is_built() -> None:
+    def fn(b: dml.Backend) -> list[int]:
+        counts = {"_allgather": 0, "_allgather_bytes": 0}
+        for name in counts:
+            _counting(b, counts, name)
+
+        def gathers() -> int:
+            return sum(counts.values())
+
+        model = make_model(0, bn=False)
+        opt = dml.DistributedOptimizer(b, torch.optim.SGD(model.parameters(), lr=0.1))
+        seen = []
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.ones(2, 3)).sum().backward()
+            opt.step()
+            seen.append(gathers())
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})  # a new plan, compared again
+        opt.step()
+        seen.append(gathers())
+        opt.synchronize()  # the step after a synchronize() agrees on whether a backward came in between
+        opt.step()
+        seen.append(gathers())
+        for _ in range(3):
+            dml.allreduce_gradients(b, model)
+            seen.append(gathers())
+        return seen
+
+    assert dml.LocalBackend.spawn(2, fn) == [[1, 1, 1, 2, 3, 4, 4, 4]] * 2
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_sparse_gradients_train_like_one_process(world: int) -> None:
+    dml.LocalBackend.spawn(world, sparse_gradient_body, 4, timeout=60)
+
+
+def test_sparse_adam_is_refused() -> None:
+    emb = torch.nn.Embedding(4, 2, sparse=True)
+    with pytest.raises(TypeError, match=r"torch\.optim\.SparseAdam, which needs sparse gradients"):
+        dml.DistributedOptimizer(dml.LocalBackend(), torch.optim.SparseAdam(emb.parameters()))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_step_with_closure_reduces_after_every_call(world: int) -> None:
+    losses = dml.LocalBackend.spawn(world, closure_body, 5, timeout=60)
+    assert all(loss == losses[0] for loss in losses), "every rank sees the same reduced loss"
+
+
+@requires_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_optimizer_job_under_mpiexec(ranks: int) -> None:
+    job = run_mpi(ranks, ["tests/optimizer_job.py"], timeout=180)
+    assert job.returncode == 0, job.output[-8000:]
+    checks = "late_backward config sparse closure"
+    assert f"OPTIMIZER CHECKS PASSED: {checks} on {ranks} ranks" in job.output, job.output[-8000:]
+    for check in checks.split():
+        assert job.output.count(f"check {check} passed") == ranks, job.output[-8000:]

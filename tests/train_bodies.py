@@ -316,3 +316,348 @@ def compression_body(backend: dml.Backend, seed: int) -> None:
     ulp = 2.0 ** (torch.frexp(exact)[1].double() - 8)
     assert ((p.grad.double() - exact).abs() <= ulp).all(), (p.grad.double() - exact).abs().max()
     replicas_identical(backend, p.grad.reshape(-1).tolist())
+
+
+# -- issue 11: backward after synchronize(), configuration agreement, sparse gradients, closures ------------------
+
+
+def _mse_step_loss(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor, m: int, r: int) -> torch.Tensor:
+    """Micro-batch ``m`` of rank ``r``: one observation."""
+    return torch.nn.functional.mse_loss(model(xs[m, r : r + 1]), ys[m, r : r + 1])
+
+
+def _expected_after_sgd(
+    seed: int, xs: torch.Tensor, ys: torch.Tensor, pairs: list[tuple[int, int]], scale: float
+) -> list[torch.Tensor]:
+    """Parameters after one SGD step (lr 0.1) on ``scale`` times the summed gradients of micro-batches ``pairs``."""
+    ref = make_model(seed, bn=False).double()
+    for m, r in pairs:
+        _mse_step_loss(ref, xs, ys, m, r).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.sub_(0.1 * scale * p.grad)
+    return list(ref.parameters())
+
+
+def late_backward_body(backend: dml.Backend, seed: int) -> list[str]:
+    """A backward() between synchronize() and step() (or a second synchronize()) is reduced again with a
+    RuntimeWarning under AVG, on every rank, also when only one rank ran it; under SUM every rank raises and
+    nothing steps; a synchronize() without a backward after the first one reduces nothing; in-place edits
+    between synchronize() and step() are no backward; once the step is done no hook is left on the parameters.
+
+    Returns the fragments of the RuntimeWarnings this rank must have emitted, in order: warnings are
+    process-wide, so the caller records them (see ``check_warnings``).
+    """
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    g = _gen(seed)
+    xs = torch.randn(3, size, 3, generator=g, dtype=torch.float64)
+    ys = torch.randn(3, size, 2, generator=g, dtype=torch.float64)
+    every = list(range(size))
+    last = size - 1
+    expected_warnings: list[str] = []
+
+    def warned(caller: str, ranks: list[int]) -> None:
+        where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+        expected_warnings.append(
+            f"DistributedOptimizer.{caller}: backward() accumulated into the gradients after "
+            f"synchronize() on {where}; they were reduced again"
+        )
+
+    def fresh(op: Any = dml.AVG, bucket_bytes: int = 256) -> tuple[torch.nn.Module, dml.DistributedOptimizer]:
+        model = make_model(seed, bn=False).double()
+        return model, dml.DistributedOptimizer(
+            backend, torch.optim.SGD(model.parameters(), lr=0.1), op=op, bucket_bytes=bucket_bytes
+        )
+
+    def check(model: torch.nn.Module, pairs: list[tuple[int, int]], scale: float, what: str) -> None:
+        for p, q in zip(model.parameters(), _expected_after_sgd(seed, xs, ys, pairs, scale), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12, msg=f"rank {rank}: {what}")
+        assert not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters()), (
+            f"{what}: hooks left on the parameters after the step"
+        )
+
+    for bucket_bytes in (0, 1 << 20):  # gradients reduced in place / as bucket views
+        # Every rank runs a second backward after synchronize(); clipping in between is no backward.
+        model, opt = fresh(bucket_bytes=bucket_bytes)
+        _mse_step_loss(model, xs, ys, 0, rank).backward()
+        opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        _mse_step_loss(model, xs, ys, 1, rank).backward()
+        opt.step()
+        warned("step()", every)
+        check(model, [(m, r) for m in (0, 1) for r in every], 1 / size, "late backward on every rank")
+        # Then an ordinary step: nothing is left armed, no warning.
+        opt.zero_grad()
+        _mse_step_loss(model, xs, ys, 2, rank).backward()
+        opt.step()
+
+    # Only the last rank runs the extra backward: every rank reduces again and warns, naming it.
+    model, opt = fresh()
+    _mse_step_loss(model, xs, ys, 0, rank).backward()
+    opt.synchronize()
+    if rank == last:
+        _mse_step_loss(model, xs, ys, 1, rank).backward()
+    opt.step()
+    warned("step()", [last])
+    check(model, [(0, r) for r in every] + [(1, last)], 1 / size, "late backward on the last rank")
+
+    # synchronize() twice around a backward reduces again there; step() then does not.
+    model, opt = fresh()
+    _mse_step_loss(model, xs, ys, 0, rank).backward()
+    opt.synchronize()
+    _mse_step_loss(model, xs, ys, 1, rank).backward()
+    opt.synchronize()
+    warned("synchronize()", every)
+    opt.step()
+    check(model, [(m, r) for m in (0, 1) for r in every], 1 / size, "synchronize() twice around a backward")
+
+    # synchronize() twice with nothing in between reduces once (SUM would show a second reduction).
+    model, opt = fresh(op=dml.SUM)
+    _mse_step_loss(model, xs, ys, 0, rank).backward()
+    opt.synchronize()
+    opt.synchronize()
+    opt.step()
+    check(model, [(0, r) for r in every], 1.0, "synchronize() twice, SUM")
+
+    # Under SUM a late backward (rank 0 only) cannot be reduced again exactly: every rank raises, nothing steps.
+    model, opt = fresh(op=dml.SUM)
+    _mse_step_loss(model, xs, ys, 0, rank).backward()
+    opt.synchronize()
+    if rank == 0:
+        _mse_step_loss(model, xs, ys, 1, rank).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        opt.step()
+    except RuntimeError as e:
+        text = str(e)
+        assert "backward() accumulated into the gradients after synchronize() on rank 0" in text, text
+        assert "op=dml.SUM" in text and "opt.synchronize() once per step" in text, text
+    else:
+        raise AssertionError(f"rank {rank}: no RuntimeError for a backward after synchronize() under SUM")
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True)), "nothing steps"
+    # The optimizer and the world go on: a clean step sums once.
+    opt.zero_grad()
+    _mse_step_loss(model, xs, ys, 0, rank).backward()
+    opt.step()
+    check(model, [(0, r) for r in every], 1.0, "a step after the error")
+    return expected_warnings
+
+
+def check_warnings(expected: list[str], recorded: list[Any]) -> None:
+    """Each recorded RuntimeWarning of DistributedOptimizer matches one ``expected`` fragment, and none is missing."""
+    got = [
+        str(w.message) for w in recorded if w.category is RuntimeWarning and "DistributedOptimizer" in str(w.message)
+    ]
+    left = list(got)
+    for fragment in expected:
+        match = next((m for m in left if fragment in m), None)
+        assert match is not None, f"missing warning {fragment!r}; got {got}"
+        left.remove(match)
+    assert not left, f"unexpected warnings {left}"
+
+
+# The settings DistributedOptimizer and allreduce_gradients compare across ranks.
+CONFIG_SETTINGS = {
+    "optimizer": ("op", "communication_dtype", "bucket_bytes", "shape", "count", "dtype"),
+    "allreduce_gradients": ("op", "bucket_bytes", "shape", "count", "dtype"),
+}
+_OPS = ["avg", "sum", "max"]
+_WIRE = [None, "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class ConfigCase:
+    api: str  # "optimizer" or "allreduce_gradients"
+    op: str
+    communication_dtype: str | None
+    bucket_bytes: int
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    setting: str  # the one that differs on rank ``odd % world``
+    odd: int
+    which: int  # which parameter differs (modulo their number), for shape and dtype
+
+
+@st.composite
+def config_cases(draw: st.DrawFn) -> ConfigCase:
+    api = draw(st.sampled_from(sorted(CONFIG_SETTINGS)))
+    n = draw(st.integers(1, 5))
+    return ConfigCase(
+        api=api,
+        op=draw(st.sampled_from(_OPS)),
+        communication_dtype=draw(st.sampled_from(_WIRE)) if api == "optimizer" else None,
+        bucket_bytes=draw(st.sampled_from([0, 64, 1 << 20])),
+        shapes=tuple(draw(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 5)), min_size=n, max_size=n))),
+        dtypes=tuple(draw(st.lists(st.sampled_from(["float32", "float64"]), min_size=n, max_size=n))),
+        setting=draw(st.sampled_from(CONFIG_SETTINGS[api])),
+        odd=draw(st.integers(0, 63)),
+        which=draw(st.integers(0, 63)),
+    )
+
+
+def _configured(case: ConfigCase, differs: bool) -> tuple[dict[str, Any], list[tuple[int, ...]], list[str]]:
+    """(keyword arguments, parameter shapes, parameter dtypes) of a rank; ``differs``: the odd rank's."""
+    kwargs: dict[str, Any] = {"op": case.op, "bucket_bytes": case.bucket_bytes}
+    if case.api == "optimizer":
+        kwargs["communication_dtype"] = case.communication_dtype
+    shapes, dtypes = list(case.shapes), list(case.dtypes)
+    i = case.which % len(shapes)
+    if differs:
+        if case.setting == "op":
+            kwargs["op"] = _OPS[(_OPS.index(case.op) + 1) % len(_OPS)]
+        elif case.setting == "communication_dtype":
+            kwargs["communication_dtype"] = _WIRE[(_WIRE.index(case.communication_dtype) + 1) % len(_WIRE)]
+        elif case.setting == "bucket_bytes":
+            kwargs["bucket_bytes"] = case.bucket_bytes + 8
+        elif case.setting == "shape":
+            shapes[i] = (shapes[i][0] + 1, shapes[i][1])
+        elif case.setting == "count":
+            shapes, dtypes = [*shapes, (2, 2)], [*dtypes, "float32"]
+        else:
+            dtypes[i] = "float64" if dtypes[i] == "float32" else "float32"
+    if kwargs.get("communication_dtype") is not None:
+        kwargs["communication_dtype"] = getattr(torch, kwargs["communication_dtype"])
+    return kwargs, shapes, dtypes
+
+
+def _reduce_once(backend: dml.Backend, case: ConfigCase, kwargs: dict[str, Any], params: list[torch.Tensor]) -> None:
+    if case.api == "optimizer":
+        dml.DistributedOptimizer(backend, torch.optim.SGD(params, lr=0.1), **kwargs).synchronize()
+    else:
+        dml.allreduce_gradients(backend, params, kwargs["op"], bucket_bytes=kwargs["bucket_bytes"])
+
+
+def config_mismatch_body(backend: dml.Backend, case: ConfigCase) -> None:
+    """One setting differs on one rank: every rank raises ValueError naming that setting, the ranks and their
+    values, before any gradient moves; then the same configuration everywhere reduces exactly."""
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    odd = case.odd % size
+    if size > 1:
+        kwargs, shapes, dtypes = _configured(case, rank == odd)
+        params = [
+            torch.nn.Parameter(torch.zeros(s, dtype=getattr(torch, d))) for s, d in zip(shapes, dtypes, strict=True)
+        ]
+        for p in params:
+            p.grad = torch.full_like(p, 1.0 + rank)
+        try:
+            _reduce_once(backend, case, kwargs, params)
+        except ValueError as e:
+            text = str(e)
+            assert "the ranks are configured differently" in text, text
+            assert f"on rank {odd}" in text, f"the odd rank {odd} is not named: {text}"
+            fragment = {
+                "op": "op is dml.",
+                "communication_dtype": "communication_dtype is ",
+                "bucket_bytes": f"{case.bucket_bytes + 8} on rank {odd}",
+                "shape": f"parameter {case.which % len(case.shapes)} (",
+                "count": "the number of parameters is",
+                "dtype": f"parameter {case.which % len(case.shapes)} (",
+            }[case.setting]
+            assert fragment in text, f"{fragment!r} not in {text}"
+        else:
+            raise AssertionError(f"rank {rank}: no ValueError for {case.setting} differing on rank {odd}")
+        assert all(torch.equal(p.grad, torch.full_like(p, 1.0 + rank)) for p in params), "no gradient moved"
+    # The same configuration on every rank: the reduction is exact (small integers survive any wire dtype).
+    kwargs, shapes, dtypes = _configured(case, False)
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=getattr(torch, d))) for s, d in zip(shapes, dtypes, strict=True)]
+    for p in params:
+        p.grad = torch.full_like(p, 1.0 + rank)
+    _reduce_once(backend, case, kwargs, params)
+    expected = {"avg": (size + 1) / 2, "sum": size * (size + 1) / 2, "max": float(size)}[case.op]
+    for p in params:
+        torch.testing.assert_close(p.grad, torch.full_like(p, expected), msg=str(case))
+
+
+class SparseModel(torch.nn.Module):
+    """An embedding (sparse or dense gradient) and a linear layer; the embedding is optional per call."""
+
+    def __init__(self, seed: int, sparse: bool) -> None:
+        super().__init__()
+        g = _gen(seed)
+        self.emb = torch.nn.Embedding(12, 4, sparse=sparse).double()
+        self.lin = torch.nn.Linear(4, 2).double()
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
+
+    def forward(self, idx: torch.Tensor, x: torch.Tensor, use_emb: bool) -> torch.Tensor:
+        return self.lin(self.emb(idx) + x if use_emb else x)
+
+
+def sparse_gradient_body(backend: dml.Backend, seed: int) -> None:
+    """nn.Embedding(sparse=True) trains like one process on the full batch (dense gradients there), with SGD
+    (momentum) and Adam, bucketed or in place, kept or fresh gradients, through DistributedOptimizer and
+    allreduce_gradients, also when the embedding has a sparse gradient on some ranks and None on the others;
+    afterwards .grad is dense."""
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    g = _gen(seed)
+    steps, per_rank = 3, 4
+    idx = torch.randint(0, 12, (steps, size, per_rank), generator=g)  # repeated rows: uncoalesced gradients
+    x = torch.randn(steps, size, per_rank, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(steps, size, per_rank, 2, generator=g, dtype=torch.float64)
+    for kind in ("sgd", "adam"):
+        for bucket_bytes in (0, 1 << 20):
+            for keep, some_ranks, api in ((False, False, "opt"), (True, True, "opt"), (False, True, "allreduce")):
+                uses = [not some_ranks or r % 2 == 1 for r in range(size)]  # None on even ranks when some_ranks
+                model, ref = SparseModel(seed, sparse=True), SparseModel(seed, sparse=False)
+                inner, ref_opt = _optimizer(kind, model.parameters()), _optimizer(kind, ref.parameters())
+                opt = dml.DistributedOptimizer(backend, inner, bucket_bytes=bucket_bytes)
+                for k in range(steps):
+                    opt.zero_grad(set_to_none=not keep)
+                    loss = torch.nn.functional.mse_loss(model(idx[k, rank], x[k, rank], uses[rank]), y[k, rank])
+                    loss.backward()
+                    if api == "opt":
+                        opt.step()
+                    else:
+                        dml.allreduce_gradients(backend, model, bucket_bytes=bucket_bytes)
+                        inner.step()
+                    ref_opt.zero_grad(set_to_none=not keep)
+                    total = sum(
+                        torch.nn.functional.mse_loss(ref(idx[k, r], x[k, r], uses[r]), y[k, r]) for r in range(size)
+                    )
+                    (total / size).backward()
+                    ref_opt.step()
+                what = f"rank {rank}: {kind}, bucket_bytes={bucket_bytes}, keep={keep}, some={some_ranks}, {api}"
+                assert model.emb.weight.grad is None or model.emb.weight.grad.layout == torch.strided, what
+                for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+                    torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12, msg=what)
+
+
+def closure_body(backend: dml.Backend, seed: int) -> float:
+    """step(closure) reduces the gradients after every closure call and reduces the loss, so LBFGS on the shards
+    is LBFGS on the full batch, and SGD with a closure is SGD on the full batch."""
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    g = _gen(seed)
+    x = torch.randn(size * 3, 3, generator=g, dtype=torch.float64)
+    y = torch.randn(size * 3, 2, generator=g, dtype=torch.float64)
+    losses = []
+    for kind in ("lbfgs", "sgd"):
+        model, ref = make_model(seed, bn=False).double(), make_model(seed, bn=False).double()
+
+        def make(params: Any) -> torch.optim.Optimizer:
+            if kind == "lbfgs":
+                return torch.optim.LBFGS(params, lr=0.5, max_iter=6, line_search_fn="strong_wolfe")
+            return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+        opt, ref_opt = dml.DistributedOptimizer(backend, make(model.parameters())), make(ref.parameters())
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x[rank::size]), y[rank::size])
+            loss.backward()
+            return loss
+
+        def ref_closure() -> torch.Tensor:
+            ref_opt.zero_grad()
+            loss = sum(torch.nn.functional.mse_loss(ref(x[r::size]), y[r::size]) for r in range(size)) / size
+            loss.backward()
+            return loss
+
+        for _ in range(2):
+            loss = opt.step(closure)
+            ref_loss = ref_opt.step(ref_closure)
+            torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-9, atol=1e-12, msg=kind)
+            losses.append(float(loss))
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-7, atol=1e-9, msg=f"rank {rank}: {kind}")
+    return sum(losses)
