@@ -32,7 +32,7 @@ from distutils_ml.arrays import (
     torch_dtype_name,
     write_back,
 )
-from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
+from distutils_ml.backends.base import Backend, ReduceOp, busy, check_backend, resolve_op
 
 __all__ = ["allreduce", "bcast", "reduce", "allgather", "barrier"]
 
@@ -105,40 +105,38 @@ def allreduce(backend: Backend, sendbuf: Any, recvbuf: Any = None, op: Any = Non
         array([3., 4.])
     """
     check_backend(backend, "allreduce")
-    backend._enter("allreduce")
+    entry = backend._entry  # one thread at a time (inlined: this is the hot path)
+    if not entry.acquire(False):
+        raise busy(backend, "allreduce")
     try:
-        return _allreduce(backend, sendbuf, recvbuf, op)
-    finally:
-        backend._leave()
-
-
-def _allreduce(backend: Backend, sendbuf: Any, recvbuf: Any, op: Any) -> Any:
-    if op is None:
-        recvbuf, op = _split_op(recvbuf, op)
-    if type(op) is not ReduceOp:
-        op = resolve_op(op)
-    try:
-        if recvbuf is None:
-            send, (recv, dt) = None, result_view(sendbuf, "buf")
-            out = sendbuf
+        if op is None:
+            recvbuf, op = _split_op(recvbuf, op)
+        if type(op) is not ReduceOp:
+            op = resolve_op(op)
+        try:
+            if recvbuf is None:
+                send, (recv, dt) = None, result_view(sendbuf, "buf")
+                out = sendbuf
+            else:
+                send, recv, dt = _two_buffers(sendbuf, recvbuf)
+                out = recvbuf
+        except OnDevice:
+            return _on_device("allreduce", backend, sendbuf, recvbuf, op)
+        if (op, dt) not in OP_DTYPE_OK:
+            check_op_dtype(op, dt, "buf" if recvbuf is None else "sendbuf")
+        if backend.debug:
+            backend._check_call("allreduce", recv.shape, dt, op, -1)
+        if dt in HALF_DTYPES and not backend.native_half_reductions:
+            work = to_float32(out, recv) if send is None else to_float32(sendbuf, send)
+            _allreduce_native(backend, None, work, op)
+            write_back(out, recv, work)
+        elif op is not _AVG or backend.native_avg:
+            backend._allreduce(send, recv, op)
         else:
-            send, recv, dt = _two_buffers(sendbuf, recvbuf)
-            out = recvbuf
-    except OnDevice:
-        return _on_device("allreduce", backend, sendbuf, recvbuf, op)
-    if (op, dt) not in OP_DTYPE_OK:
-        check_op_dtype(op, dt, "buf" if recvbuf is None else "sendbuf")
-    if backend.debug:
-        backend._check_call("allreduce", recv.shape, dt, op, -1)
-    if dt in HALF_DTYPES and not backend.native_half_reductions:
-        work = to_float32(out, recv) if send is None else to_float32(sendbuf, send)
-        _allreduce_native(backend, None, work, op)
-        write_back(out, recv, work)
-    elif op is not _AVG or backend.native_avg:
-        backend._allreduce(send, recv, op)
-    else:
-        _allreduce_native(backend, send, recv, op)
-    return out
+            _allreduce_native(backend, send, recv, op)
+        return out
+    finally:
+        entry.release()
 
 
 def _allreduce_native(backend: Backend, send: np.ndarray | None, recv: np.ndarray, op: ReduceOp) -> None:

@@ -12,13 +12,14 @@ import abc
 import enum
 import operator
 import pickle
+import re
 import threading
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 import numpy as np
 
-__all__ = ["Backend", "ReduceOp", "check_backend", "resolve_op"]
+__all__ = ["Backend", "ReduceOp", "busy", "check_backend", "resolve_op"]
 
 
 class ReduceOp(enum.Enum):
@@ -95,7 +96,6 @@ class Backend(abc.ABC):
     def __init__(self) -> None:
         # Held by the thread inside a public collective (re-entrant: composite calls nest).
         self._entry = threading.RLock()
-        self._entry_owner = 0
 
     def _enter(self, caller: str) -> None:
         """Claim this backend for the calling thread, or raise if another thread is inside a collective.
@@ -105,8 +105,7 @@ class Backend(abc.ABC):
         before it sends anything. Pair every successful call with :meth:`_leave`.
         """
         if not self._entry.acquire(blocking=False):
-            raise _busy(self, caller)
-        self._entry_owner = threading.get_ident()
+            raise busy(self, caller)
 
     def _leave(self) -> None:
         self._entry.release()
@@ -184,13 +183,15 @@ class Backend(abc.ABC):
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
 
 
-def _busy(backend: Backend, caller: str) -> RuntimeError:
-    owner = backend._entry_owner
+def busy(backend: Backend, caller: str) -> RuntimeError:
+    """The error for a thread that enters a collective while another thread is inside one on ``backend``."""
+    found = re.search(r"owner=(\d+)", repr(backend._entry))  # CPython's RLock repr names its owner's ident
+    owner = int(found.group(1)) if found else 0
     names = {t.ident: t.name for t in threading.enumerate()}
     me = threading.current_thread().name
     return RuntimeError(
         f"{caller}: thread {me!r} called a collective on {backend!r} while thread "
-        f"{names.get(owner, f'id {owner}')!r} is inside one. A backend's collectives must be called from one "
+        f"{names.get(owner, 'another thread')!r} is inside one. A backend's collectives must be called from one "
         "thread at a time: ranks would pair up the two threads' messages differently and corrupt both. Make "
         "every collective from one thread, or give the other thread a backend of its own over its own "
         "communicator, e.g. dml.MPIBackend(comm=MPI.COMM_WORLD.Dup()), created on every rank in the same order"
