@@ -28,11 +28,12 @@ import traceback
 from collections.abc import Callable
 
 import numpy as np
-import object_bodies
 import torch
 from mpi4py import MPI
 
 import distutils_ml as dml
+
+import object_bodies
 
 
 def threads(backend: dml.Backend) -> None:

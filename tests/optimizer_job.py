@@ -16,11 +16,10 @@ import sys
 import time
 import warnings
 
-from mpi_main import guarded, hypothesis_check
-
 import distutils_ml as dml
 
 import train_bodies
+from mpi_main import guarded, hypothesis_check
 
 
 def late_backward(backend: dml.Backend) -> int:

@@ -3,11 +3,11 @@ ranks (W = 1..4) and under real mpiexec with 2 and 3 ranks (tests/core_job.py)."
 
 from __future__ import annotations
 
-import object_bodies
 import pytest
 
 import distutils_ml as dml
 
+import object_bodies
 from mpirun import requires_mpi, run_mpi
 
 
