@@ -1,4 +1,4 @@
-"""Checkpoints: ``save`` on rank 0, atomically; ``load`` on rank 0 and broadcast; RNG state.
+"""Checkpoints: ``save`` on rank 0, atomically; ``load`` on rank 0, checked and broadcast; RNG states.
 
 ``save`` turns live objects into their state (a module, optimizer, LR scheduler or
 stateful data loader into its ``state_dict()``, a ``DistributedDataContainer`` into
@@ -7,35 +7,54 @@ what ``torch.load(path, weights_only=True)`` can read back. Rank 0 writes a temp
 file beside ``path``, flushes and fsyncs it, then renames it over ``path``: a crash
 leaves either the old checkpoint or the new one, never half of one. A write that fails
 removes its temporary file; one cut short by a signal (the job aborted, killed) leaves
-it behind, and the next successful ``save`` to the same path removes it. Every rank
-learns the outcome from rank 0, so an error is raised on every rank and no rank is left
-waiting in the next collective.
+it behind, and the next successful ``save`` to the same path removes it. The writer
+holds an ``flock`` on its temporary file until the rename, so saves to one path from
+several jobs at once never remove each other's: only files whose writer is gone.
+``load`` checks every record against the CRC-32 that ``torch.save`` wrote before
+reading it (``torch.load`` does not), so a corrupted file is an error, not wrong values.
+Rank 0 reads and writes inside a collective (``run_on_root``): slow I/O is not a stall.
+Every rank learns the outcome from rank 0, so an error is raised on every rank and no
+rank is left waiting in the next collective.
 """
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import copy
 import dataclasses
+import errno
 import os
-import pickle
 import random
 import re
 import secrets
+import stat
+import time
+import zipfile
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Iterator
+from typing import IO, Any
 
 import numpy as np
 import torch
 
 from distutils_ml.backends.base import Backend, check_backend
 from distutils_ml.data import DistributedDataContainer
+from distutils_ml.objects import allgather_object, run_on_root
 
-__all__ = ["load", "rng_state", "save", "set_rng_state"]
+try:
+    import fcntl
+except ImportError:  # not POSIX: no advisory locks
+    fcntl = None  # type: ignore[assignment]
 
-# Where the class of a rank-0 error is looked up to raise the same class on every rank.
-_ERROR_MODULES = {"builtins": builtins, "pickle": pickle, "_pickle": pickle}
+__all__ = ["load", "rng_state", "rng_state_all", "save", "set_rng_state", "set_rng_state_all"]
+
+# Where file systems without flock (some Lustre mounts, Windows) leave a temporary file
+# alone: one modified this recently may still have a live writer.
+_UNLOCKED_STALE_AFTER_S = 600.0
+# errno values of flock on a file system that does not support it.
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+_CHUNK = 1 << 24  # bytes read at a time while checking a checkpoint's CRC-32s
+_DOS_DIRECTORY = 0x10  # the "directory" bit of a zip record's external attributes
 
 
 def _check_path(path: Any, caller: str) -> str:
@@ -81,34 +100,147 @@ def _state_of(obj: Any) -> Any:
 
 
 def _leftover_temporaries(path: str) -> list[str]:
-    """Temporary files of earlier saves to ``path`` that were cut short (a killed or aborted job)."""
+    """Temporary files of saves to ``path``: live writers' and those of saves cut short (a killed job)."""
     directory, name = os.path.split(os.path.abspath(path))
     pattern = re.compile(rf"\.{re.escape(name)}\.[0-9a-f]{{12}}\.tmp")
     return [os.path.join(directory, n) for n in os.listdir(directory) if pattern.fullmatch(n)]
 
 
-def _write_atomic(state: Any, path: str) -> None:
-    """``torch.save(state)`` to a temporary file beside ``path``, fsync, then rename over ``path``."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"the directory {directory!r} of {path!r} does not exist; create it first")
-    leftovers = _leftover_temporaries(path)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
-    # os.open, not tempfile: the checkpoint gets the usual permissions (0o666 less the umask).
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+def _flock(fd: int, blocking: bool) -> bool | None:
+    """Take an exclusive ``flock`` on ``fd``: True; held by someone else (non-blocking): False; no locks here: None."""
+    if fcntl is None:
+        return None
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno in _NO_FLOCK:
+            return None
+        raise
+    return True
+
+
+def _is_named(fd: int, name: str) -> bool:
+    """Whether ``name`` is still a name of the file open as ``fd``."""
+    try:
+        st = os.stat(name)
+    except FileNotFoundError:
+        return False
+    here = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino)
+
+
+def _remove_abandoned_temporaries(path: str) -> None:
+    """Remove the temporary files of saves to ``path`` whose writer is gone.
+
+    A writer holds an exclusive ``flock`` on its temporary file from creation until it is
+    renamed, and the lock dies with the writer's process: a file whose lock can be taken
+    has no live writer. Without ``flock`` (file systems that lack it), a file is taken
+    for abandoned once nothing modified it for ``_UNLOCKED_STALE_AFTER_S`` seconds.
+    """
+    for candidate in _leftover_temporaries(path):
+        try:
+            fd = os.open(candidate, os.O_RDONLY)
+        except OSError:  # renamed or removed meanwhile, or not ours to read
+            continue
+        try:
+            locked = _flock(fd, blocking=False)
+            if locked is False:
+                continue  # its writer is alive
+            if locked is None and time.time() - os.fstat(fd).st_mtime < _UNLOCKED_STALE_AFTER_S:
+                continue
+            if _is_named(fd, candidate):
+                with contextlib.suppress(OSError):
+                    os.unlink(candidate)
+        finally:
+            os.close(fd)
+
+
+def _create_temporary(directory: str, name: str) -> tuple[int, str]:
+    """A new temporary file beside the checkpoint, locked (``flock``) for as long as its descriptor is open."""
+    while True:
+        tmp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
+        # os.open, not tempfile: the checkpoint gets the usual permissions (0o666 less the umask).
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            _flock(fd, blocking=True)
+            # Between os.open and flock, another save may have taken the new, unlocked file
+            # for abandoned and removed it: then start again with a new name.
+            if _is_named(fd, tmp):
+                return fd, tmp
+        except BaseException:
+            if _is_named(fd, tmp):
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def _check_directory(directory: str, path: str) -> None:
+    """Raise a clear error when ``directory`` (that of ``path``) is missing, not a directory, or out of reach."""
+    try:
+        st = os.stat(directory)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"the directory {directory!r} of {path!r} does not exist; create it first") from None
+    except NotADirectoryError:
+        raise NotADirectoryError(
+            f"the directory {directory!r} of {path!r} is not a directory (part of its path is a file); "
+            "save to a path inside a directory"
+        ) from None
+    except PermissionError:
+        raise PermissionError(
+            f"permission denied: this process (uid {os.geteuid()}) may not search a directory on the way to "
+            f"{directory!r} (the directory of {path!r}); allow it (chmod +x) or save elsewhere"
+        ) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(
+            f"the directory {directory!r} of {path!r} is not a directory (it is a file); save to a path inside a "
+            "directory"
+        )
+
+
+@contextlib.contextmanager
+def _crc32_on() -> Iterator[None]:
+    """Make ``torch.save`` write CRC-32s (``load`` checks them), even if the user turned them off."""
+    get = getattr(torch.serialization, "get_crc32_options", None)  # torch < 2.6 always writes them
+    if get is None or get():
+        yield
+        return
+    torch.serialization.set_crc32_options(True)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(False)
+
+
+def _write_atomic(state: Any, path: str) -> None:
+    """``torch.save(state)`` to a locked temporary file beside ``path``, fsync, then rename over ``path``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    _check_directory(directory, path)
+    try:
+        fd, tmp = _create_temporary(directory, os.path.basename(path))
+    except PermissionError:
+        missing = " and ".join(w for w, m in (("write", os.W_OK), ("search", os.X_OK)) if not os.access(directory, m))
+        raise PermissionError(
+            f"permission denied: this process (uid {os.geteuid()}) may not {missing or 'create files in'} the "
+            f"directory {directory!r} (of {path!r}); allow it or save elsewhere"
+        ) from None
+    try:
+        # The descriptor stays open, so the lock held, until the file has its final name:
+        # a concurrent save to the same path never takes it for abandoned.
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            with _crc32_on():
+                torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)
     except BaseException:  # any failure, KeyboardInterrupt included: leave no partial file behind
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    for old in leftovers:  # listed before this save began, so never its own
-        with contextlib.suppress(OSError):
-            os.unlink(old)
+    _remove_abandoned_temporaries(path)
     if hasattr(os, "O_DIRECTORY"):  # make the rename itself durable (POSIX)
         dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -117,21 +249,55 @@ def _write_atomic(state: Any, path: str) -> None:
             os.close(dfd)
 
 
-def _describe_error(exc: BaseException) -> tuple[str, str, str]:
-    return (type(exc).__module__, type(exc).__qualname__, str(exc))
+def _check_records(f: IO[bytes]) -> None:
+    """Read every record of the zip open as ``f`` through ``zipfile``, which checks each one's CRC-32."""
+    if not zipfile.is_zipfile(f):
+        return  # the legacy format, or not a checkpoint at all: torch.load says which
+    with zipfile.ZipFile(f) as archive:
+        records = archive.infolist()
+        if all(r.CRC == 0 for r in records if r.file_size):
+            return
+        for record in records:
+            # torch's zip reader (miniz) reads a record marked as a directory as empty and leaves the
+            # tensor's memory uninitialised: a flipped attribute bit would load as garbage.
+            if record.is_dir() or record.external_attr & _DOS_DIRECTORY:
+                raise zipfile.BadZipFile(f"the record {record.filename!r} is marked as a directory")
+            with archive.open(record) as data:
+                while data.read(_CHUNK):
+                    pass
 
 
-def _raise_everywhere(status: tuple[str, str, str], message: str, cause: BaseException | None) -> None:
-    """Raise the class of rank 0's error (a builtin or pickle error; else RuntimeError) with ``message``."""
-    module, name, text = status
-    cls = getattr(_ERROR_MODULES.get(module), name, None)
-    full = f"{message}: {name}: {text}"
-    err: Exception
+def _verify(f: IO[bytes]) -> None:
+    """Check every record of the zip checkpoint open as ``f`` against its CRC-32; leave ``f`` at its start.
+
+    ``torch.load`` does not check them, so without this a flipped byte in a tensor loads
+    as a wrong value. Files without checksums pass unchecked: torch's legacy (non-zip)
+    format, and zips written with ``torch.serialization.set_crc32_options(False)``
+    (every CRC-32 is then 0).
+    """
     try:
-        err = cls(full) if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError(full)
-    except Exception:  # a class that cannot be built from one message
-        err = RuntimeError(full)
-    raise err from cause
+        _check_records(f)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:  # an I/O error, not a garbled file
+            raise
+        problem: Exception = exc  # a garbled offset: a seek before the start of the file
+    except Exception as exc:  # BadZipFile, EOFError, a garbled header (ValueError, NotImplementedError, ...)
+        problem = exc
+    else:
+        return
+    finally:
+        f.seek(0)
+    raise RuntimeError(
+        f"the file is corrupted ({type(problem).__name__}: {problem}): its bytes are not those that were saved. "
+        "Restore it from a copy or an older checkpoint"
+    )
+
+
+def _read_verified(path: str, weights_only: bool) -> Any:
+    """``torch.load`` of ``path`` after checking its CRC-32s, both through one open file (safe from a rename)."""
+    with open(path, "rb") as f:
+        _verify(f)
+        return torch.load(f, map_location="cpu", weights_only=weights_only)
 
 
 def save(backend: Backend, obj: Any, path: str | os.PathLike[str]) -> None:
@@ -150,11 +316,14 @@ def save(backend: Backend, obj: Any, path: str | os.PathLike[str]) -> None:
     with it, a resumed run starts the saved epoch from its first batch. Only rank 0's
     ``obj`` is read; the other ranks' ``obj`` is ignored.
 
-    The file is written by ``torch.save`` to a temporary file in the same directory,
-    flushed, fsynced and renamed over ``path``, so ``path`` holds either the previous
-    checkpoint or the complete new one, never a partial file. The temporary file is
-    removed when the write fails; temporary files that earlier saves to ``path`` left
-    behind when their job was killed are removed once this save succeeds.
+    The file is written by ``torch.save`` (with CRC-32s, which ``load`` checks) to a
+    temporary file in the same directory, flushed, fsynced and renamed over ``path``, so
+    ``path`` holds either the previous checkpoint or the complete new one, never a
+    partial file. The temporary file is removed when the write fails; temporary files
+    that earlier saves to ``path`` left behind when their job was killed are removed
+    once this save succeeds. Saves to one path from several jobs at the same time all
+    succeed (the last rename wins): a temporary file is removed only when its writer's
+    ``flock`` is free, that is when the writer is gone.
 
     Args:
         backend: from ``dml.get_distributed_backend``.
@@ -165,10 +334,13 @@ def save(backend: Backend, obj: Any, path: str | os.PathLike[str]) -> None:
         TypeError: ``backend`` is not a backend instance, or ``path`` is not a str or
             os.PathLike (raised before any communication).
         ValueError: ``path`` is empty.
-        Exception: if rank 0 fails to write (an unpicklable object, a plain
-            DataLoader, a full disk, a missing directory), every rank raises the same class of error (a builtin
-            or pickle error, else ``RuntimeError``) naming ``path`` and rank 0's error;
-            an existing checkpoint at ``path`` is left as it was.
+        Exception: if rank 0 fails to write (an unpicklable object, a plain DataLoader,
+            a full disk, a directory that is missing (``FileNotFoundError``), not a
+            directory (``NotADirectoryError``) or out of reach (``PermissionError``)),
+            every rank raises the same class of error (a builtin or pickle error, else
+            ``RuntimeError``) with the message ``"save: could not write the checkpoint
+            '<path>': rank 0: <class>: <rank 0's message>"``; an existing checkpoint at
+            ``path`` is left as it was.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -177,24 +349,23 @@ def save(backend: Backend, obj: Any, path: str | os.PathLike[str]) -> None:
     """
     check_backend(backend, "save")
     path = _check_path(path, "save")
-    status: tuple[str, str, str] | None = None
-    cause: BaseException | None = None
-    if backend.rank == 0:
-        try:
-            _write_atomic(_state_of(obj), path)
-        except Exception as exc:
-            status, cause = _describe_error(exc), exc
-    status = backend._bcast_object(status, 0)
-    if status is not None:
-        _raise_everywhere(status, f"save: rank 0 could not write the checkpoint {path!r}", cause)
+    # Rank 0 writes inside the collective: the others wait in it, not before it (no stall report).
+    what = f"save: could not write the checkpoint {path!r}"
+    run_on_root(backend, lambda: _write_atomic(_state_of(obj), path), what=what)
 
 
 def load(backend: Backend, path: str | os.PathLike[str], *, weights_only: bool = True) -> Any:
     """Read the checkpoint at ``path`` on rank 0 and return it on every rank.
 
-    Rank 0 reads it with ``torch.load(path, map_location="cpu", weights_only=weights_only)``
-    and broadcasts the object, so only rank 0 needs to see the file. Tensors arrive
-    on the CPU; ``load_state_dict`` copies them to the parameters' devices.
+    Rank 0 first checks every record of the file against the CRC-32 that ``torch.save``
+    wrote (``torch.load`` does not check them: a flipped bit would load as a wrong
+    value), then reads it with ``torch.load(..., map_location="cpu",
+    weights_only=weights_only)`` and broadcasts the object, so only rank 0 needs to see
+    the file. The check reads the file once more (about 0.3 s per GiB, mostly from the
+    page cache). Files without CRC-32s load unchecked: torch's legacy format and files
+    written with ``torch.serialization.set_crc32_options(False)`` (``dml.save`` always
+    writes them). Tensors arrive on the CPU; ``load_state_dict`` copies them to the
+    parameters' devices.
 
     Args:
         backend: from ``dml.get_distributed_backend``.
@@ -211,6 +382,9 @@ def load(backend: Backend, path: str | os.PathLike[str], *, weights_only: bool =
             os.PathLike, or ``weights_only`` is not a bool (raised before any communication).
         ValueError: ``path`` is empty.
         FileNotFoundError: no file at ``path`` on rank 0, raised on every rank.
+        RuntimeError: the file is corrupted (a record fails its CRC-32 check, or the zip
+            structure is damaged), raised on every rank: ``"load: could not read the
+            checkpoint '<path>': rank 0: RuntimeError: the file is corrupted (...)"``.
         Exception: any other failure to read on rank 0 (``pickle.UnpicklingError`` for
             a class that ``weights_only`` rejects), raised with the same class on every
             rank, naming ``path`` and rank 0's error.
@@ -228,17 +402,10 @@ def load(backend: Backend, path: str | os.PathLike[str], *, weights_only: bool =
     path = _check_path(path, "load")
     if not isinstance(weights_only, bool):
         raise TypeError(f"load: weights_only: got {type(weights_only).__qualname__}; allowed: True or False")
-    message: tuple[tuple[str, str, str] | None, Any] = (None, None)
-    cause: BaseException | None = None
-    if backend.rank == 0:
-        try:
-            message = (None, torch.load(path, map_location="cpu", weights_only=weights_only))
-        except Exception as exc:
-            message, cause = (_describe_error(exc), None), exc
-    status, obj = backend._bcast_object(message, 0)
-    if status is not None:
-        _raise_everywhere(status, f"load: rank 0 could not read the checkpoint {path!r}", cause)
-    return obj
+    # Rank 0 reads inside the collective: the others wait in it, not before it (no stall report).
+    return run_on_root(
+        backend, lambda: _read_verified(path, weights_only), what=f"load: could not read the checkpoint {path!r}"
+    )
 
 
 def rng_state() -> dict[str, Any]:
@@ -275,6 +442,15 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def _check_rng_state(state: Any, name: str) -> None:
+    """Raise unless ``state`` looks like a dict from :func:`rng_state`; ``name`` says which argument it is."""
+    if not isinstance(state, dict):
+        raise TypeError(f"{name}: got {type(state).__qualname__}; allowed: a dict from dml.rng_state()")
+    missing = [k for k in ("torch", "numpy", "python") if k not in state]
+    if missing:
+        raise ValueError(f"{name}: missing keys {missing} (got {sorted(state)}); allowed: a dict from dml.rng_state()")
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore the random number generator states captured by :func:`rng_state`.
 
@@ -292,13 +468,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         >>> torch.equal(torch.rand(2), first)  # the same draws again
         True
     """
-    if not isinstance(state, dict):
-        raise TypeError(f"set_rng_state: state: got {type(state).__qualname__}; allowed: a dict from dml.rng_state()")
-    missing = [k for k in ("torch", "numpy", "python") if k not in state]
-    if missing:
-        raise ValueError(
-            f"set_rng_state: state: missing keys {missing} (got {sorted(state)}); allowed: a dict from dml.rng_state()"
-        )
+    _check_rng_state(state, "set_rng_state: state")
     torch.set_rng_state(state["torch"])
     npy = state["numpy"]
     key = torch.as_tensor(npy["key"]).numpy().astype(np.uint32)
@@ -307,3 +477,59 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def rng_state_all(backend: Backend) -> list[dict[str, Any]]:
+    """Every rank's :func:`rng_state`, in rank order, on every rank (one collective).
+
+    The per-rank counterpart of ``torch.cuda.get_rng_state_all()``: save the list with
+    ``dml.save`` (rank 0 writes it) and restore it with :func:`set_rng_state_all`.
+
+    Args:
+        backend: from ``dml.get_distributed_backend``.
+
+    Returns:
+        ``[rng_state() of rank 0, rng_state() of rank 1, ...]``.
+
+    Example:
+        >>> dml.save(backend, {"model": model, "rng": dml.rng_state_all(backend)}, "ckpt.pt")
+    """
+    check_backend(backend, "rng_state_all")
+    return allgather_object(backend, rng_state())
+
+
+def set_rng_state_all(backend: Backend, states: list[dict[str, Any]]) -> None:
+    """Restore this rank's entry of a list from :func:`rng_state_all`: rank ``r`` sets ``states[r]``.
+
+    No communication: every rank checks the whole list the same way, so a list of the
+    wrong length (a checkpoint of a job with another number of ranks) raises on every
+    rank, and no rank restores anything unless every entry is a state.
+
+    Args:
+        backend: from ``dml.get_distributed_backend``.
+        states: one :func:`rng_state` per rank, in rank order (e.g. ``dml.load(...)["rng"]``).
+
+    Raises:
+        TypeError: ``states`` is not a list or tuple, or an entry is not a dict.
+        ValueError: ``len(states)`` is not the number of ranks, or an entry lacks a key.
+
+    Example:
+        >>> ckpt = dml.load(backend, "ckpt.pt")
+        >>> dml.set_rng_state_all(backend, ckpt["rng"])
+    """
+    check_backend(backend, "set_rng_state_all")
+    if not isinstance(states, (list, tuple)):
+        raise TypeError(
+            f"set_rng_state_all: states: got {type(states).__qualname__}; allowed: the list from "
+            "dml.rng_state_all(backend)"
+        )
+    size = backend.size
+    if len(states) != size:
+        raise ValueError(
+            f"set_rng_state_all: states: got {len(states)} states for {size} ranks; allowed: one per rank, from "
+            f"dml.rng_state_all(backend) in a job of {size} ranks. A checkpoint of a job with another number of "
+            "ranks cannot resume its random streams exactly: skip this call to keep the current ones"
+        )
+    for r, state in enumerate(states):
+        _check_rng_state(state, f"set_rng_state_all: states[{r}]")
+    set_rng_state(states[backend.rank])

@@ -54,7 +54,9 @@ def train(backend: dml.Backend, epochs: int = 30, batch: int = 32, checkpoint: s
     opt = dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters(), lr=3e-3))
     opt = dml.synchronize(backend, opt)
     data = dml.DistributedDataContainer(backend, train_set, shuffle=True, seed=42)
-    loader = DataLoader(data, batch_size=batch, shuffle=False)  # the container shuffles per epoch
+    # The container shuffles per epoch; the loader's own generator keeps starting an epoch from
+    # drawing on the global RNG (dropout's), so a run resumed from a checkpoint is exact.
+    loader = DataLoader(data, batch_size=batch, shuffle=False, generator=torch.Generator())
     bar = tqdm(range(epochs), desc="digits", disable=rank != 0, leave=False)
     for epoch in bar:
         data.set_epoch(epoch)
@@ -67,8 +69,10 @@ def train(backend: dml.Backend, epochs: int = 30, batch: int = 32, checkpoint: s
             bar.set_postfix(test_accuracy=f"{acc:.3f}")
             dml.print(backend, f"epoch {epoch + 1:3d}  test accuracy {acc:.4f}", all_ranks=False)
     acc = evaluate(backend, model, test_set)
-    # Written by rank 0 alone, atomically; live objects are saved as their state_dict().
-    dml.save(backend, {"model": model, "optimizer": opt, "data": data, "epochs": epochs}, checkpoint)
+    # Written by rank 0 alone, atomically; live objects are saved as their state_dict(), with every
+    # rank's random streams (restore them with dml.set_rng_state_all(backend, ckpt["rng"])).
+    state = {"model": model, "optimizer": opt, "data": data, "epochs": epochs, "rng": dml.rng_state_all(backend)}
+    dml.save(backend, state, checkpoint)
     return acc
 
 

@@ -39,6 +39,7 @@ def check_checkpoint(path: Path) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     model.load_state_dict(state["model"])
     assert state["optimizer"]["state"], "Adam's moments are saved"
+    assert len(state["rng"]) == 2 and all(set(r) >= {"torch", "numpy", "python"} for r in state["rng"])
 
 
 def test_digits_on_simulated_ranks(tmp_path: Path) -> None:
