@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -12,10 +14,25 @@ import torch
 import torch.utils._pytree as pytree
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sync_job import (
+    KeyCase,
+    LayoutCase,
+    RootOnly,
+    custom_keys_body,
+    key_cases,
+    keys_body,
+    late_failure_body,
+    layout_cases,
+    layouts_body,
+    negative_strides_body,
+    numpy_keys_body,
+    one_rank_layout_body,
+    unpicklable_body,
+)
 
 import distutils_ml as dml
-from distutils_ml.synchronize import _match_states, _state_skeleton
 
+from mpirun import requires_mpi, run_mpi
 from train_bodies import Holder, Pair, make_model, sync_cases, synchronize_body
 
 
@@ -267,6 +284,8 @@ def test_optimizer_state_only_on_root_other_than_0(world: int, root: int) -> Non
 
 
 def test_created_state_uses_roots_device_not_the_parameters() -> None:
+    from distutils_ml.synchronize import _match_state, _state_skeleton
+
     # Adam keeps ``step`` on the CPU next to a CUDA parameter; "meta" stands in for CUDA here.
     def adam_on(device: str) -> tuple[torch.optim.Optimizer, torch.Tensor]:
         p = torch.nn.Parameter(torch.zeros((), device=device))
@@ -275,9 +294,7 @@ def test_created_state_uses_roots_device_not_the_parameters() -> None:
     root_opt, rp = adam_on("meta")
     root_opt.state[rp] = {"step": torch.tensor(3.0), "exp_avg": torch.zeros((), device="meta"), "note": "x"}
     mine, p = adam_on("meta")
-    states, mismatch = _match_states([mine], [_state_skeleton(root_opt)])
-    assert mismatch is None
-    created = states[id(mine)][0]
+    created = _match_state(mine, _state_skeleton(root_opt), "x")[0]
     assert created["step"].device.type == "cpu" and created["step"].shape == ()
     assert created["exp_avg"].device == p.device
     assert created["note"] is None  # a plain value: root's replaces it
@@ -345,7 +362,8 @@ def test_any_structure_round_trips_or_raises_everywhere(
     msgs = mismatch_messages(world, make, root=root)
     bad = [odd] if odd != root else [r for r in range(world) if r != root]
     assert all(f"rank(s) {bad} hold a structure that differs from root {root}'s" in m for m in msgs), msgs
-    assert all("; here: x" in msgs[r] for r in bad), msgs
+    named = (f"rank {bad[0]}: x" if len(bad) == 1 else f"ranks {bad}: x") if odd != root else "x"
+    assert all(named in m for m in msgs), msgs  # every rank names each difference
 
 
 @pytest.mark.parametrize("bad_rank", [0, 1])
@@ -363,3 +381,144 @@ def test_an_unsendable_leaf_on_one_rank_raises_on_every_rank(bad_rank: int) -> N
 
     messages = dml.LocalBackend.spawn(3, fn, timeout=30)
     assert all("complex64" in m or "differs" in m for m in messages), messages
+
+
+# -- nothing fails on one rank after the agreement (issue 11, item 1) -----------------------------
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("body", [negative_strides_body, one_rank_layout_body], ids=lambda f: f.__name__)
+def test_a_layout_on_one_rank_changes_nothing(body: Callable[[dml.Backend], None], world: int) -> None:
+    dml.LocalBackend.spawn(world, body, timeout=60)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_root_value_another_rank_cannot_unpickle_raises_everywhere(world: int) -> None:
+    dml.LocalBackend.spawn(world, unpicklable_body, RootOnly, timeout=60)
+
+
+def test_a_failure_after_the_agreement_ends_the_world() -> None:
+    with pytest.raises(RuntimeError, match=r"rank 1 failed after every rank agreed to go on \(RuntimeError: copy_"):
+        dml.LocalBackend.spawn(3, late_failure_body, timeout=60)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=layout_cases(), world=st.integers(1, 3))
+def test_any_layout_on_any_rank(case: LayoutCase, world: int) -> None:
+    dml.LocalBackend.spawn(world, layouts_body, case, timeout=60)
+
+
+def test_broadcasts_depend_only_on_roots_description() -> None:
+    # Rank 1's leaves are laid out differently (transposed, strided, reversed); every rank
+    # still calls one flat broadcast per dtype, of the same size.
+    def fn(b: dml.Backend) -> list[tuple]:
+        calls: list[tuple] = []
+        original = b._bcast
+
+        def counting(buf: np.ndarray, root: int) -> None:
+            calls.append((buf.shape, str(buf.dtype)))
+            original(buf, root)
+
+        b._bcast = counting  # type: ignore[method-assign]
+        odd = b.rank == 1
+        x = {
+            "t": torch.zeros(3, 2).t() if odd else torch.zeros(2, 3),
+            "a": np.zeros(8)[::2] if odd else np.zeros(4),
+            "r": np.zeros(3)[::-1] if odd else np.zeros(3),
+            "c": torch.zeros(2, dtype=torch.float64),
+        }
+        dml.synchronize(b, x)
+        return calls
+
+    calls = dml.LocalBackend.spawn(2, fn, timeout=30)
+    assert calls[0] == calls[1] == [((9,), "float64"), ((6,), "float32")], calls  # keys sorted: a, c, r, t
+
+
+def test_failure_names_every_failing_rank() -> None:
+    # Ranks 1 and 2 fail for different reasons; every rank raises one message naming both.
+    def fn(b: dml.Backend) -> str:
+        w = np.zeros(2)
+        if b.rank == 1:
+            w.flags.writeable = False
+        x = {"w": w, "v": torch.zeros(3 if b.rank == 2 else 2)}
+        with pytest.raises(ValueError) as info:
+            dml.synchronize(b, x)
+        return str(info.value)
+
+    messages = dml.LocalBackend.spawn(3, fn, timeout=30)
+    assert len(set(messages)) == 1, messages
+    assert "rank(s) [1, 2] cannot take part" in messages[0]
+    assert "rank 1: ValueError: x['w']: a read-only array cannot receive root's data" in messages[0]
+    assert "rank 2: x['v'] is an array of shape (3,), dtype float32 on cpu, root's is" in messages[0], messages[0]
+
+
+# -- dict keys matched by value (issue 11, item 2) ------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("body", [numpy_keys_body, custom_keys_body], ids=lambda f: f.__name__)
+def test_dict_keys(body: Callable[[dml.Backend], None], world: int) -> None:
+    dml.LocalBackend.spawn(world, body, timeout=60)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=key_cases(), world=st.integers(1, 3))
+def test_any_key_order_and_spelling(case: KeyCase, world: int) -> None:
+    dml.LocalBackend.spawn(world, keys_body, case, timeout=60)
+
+
+def test_ordered_dict_order_is_part_of_the_structure() -> None:
+    def make(rank: int) -> Any:
+        keys = ["b", "a"] if rank else ["a", "b"]
+        return collections.OrderedDict((k, _t(rank)) for k in keys)
+
+    msgs = mismatch_messages(2, make)
+    assert "x is an OrderedDict with keys ['b', 'a'], root's is an OrderedDict with keys ['a', 'b']" in msgs[1]
+
+
+def test_keys_of_different_types_are_different_keys() -> None:
+    # 1, 1.0 and True are one dict key in Python, but ranks holding different ones hold different structures.
+    msgs = mismatch_messages(3, lambda r: {[1, 1.0, True][r]: _t(r)})
+    assert "rank 1: x is a dict with keys [1.0], root's is a dict with keys [1]" in msgs[0], msgs
+    assert "rank 2: x is a dict with keys [True], root's is a dict with keys [1]" in msgs[0], msgs
+
+
+@pytest.mark.parametrize(
+    ("key", "detail"),
+    [
+        (float("nan"), "a dict key is NaN"),
+        (np.float32("nan"), "a dict key is NaN"),
+        (1 + 2j, "a key of type builtins.complex"),
+        (("a", frozenset()), "a key of type builtins.frozenset"),
+    ],
+)
+def test_keys_that_cannot_be_matched_are_refused(key: Any, detail: str) -> None:
+    def fn(b: dml.Backend) -> None:
+        with pytest.raises(TypeError, match=re.escape(detail)):
+            dml.synchronize(b, {key: torch.zeros(1)})
+
+    dml.LocalBackend.spawn(2, fn, timeout=30)
+    dml.synchronize(dml.LocalBackend(), {"plain": {key: 1}})  # keys of a dict without arrays travel with it
+
+
+# -- real mpiexec jobs: every check above, with 2 and 3 ranks -------------------------------------
+
+
+@requires_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_synchronize_and_buffers_under_mpiexec(ranks: int) -> None:
+    checks = ["reproducers", "layouts", "keys", "batchnorm"] + (["ddp_buffers"] if ranks == 2 else [])
+    job = run_mpi(ranks, ["tests/sync_job.py", *checks])
+    assert job.returncode == 0, job.output[-8000:]
+    assert f"SYNC CHECKS PASSED: {' '.join(checks)} on {ranks} ranks" in job.output, job.output[-8000:]
+    for check in checks:
+        assert job.output.count(f"check {check} passed") == ranks, job.output[-8000:]
+
+
+@requires_mpi
+def test_a_failure_after_the_agreement_aborts_the_job() -> None:
+    job = run_mpi(3, ["tests/sync_job.py", "late_failure"], timeout=120)
+    assert job.returncode != 0, job.output[-8000:]
+    assert "synchronize: rank 1 failed after every rank agreed to go on" in job.output, job.output[-8000:]
+    assert "not aborted" not in job.output, job.output[-8000:]
+    assert job.seconds < 60, job.seconds
