@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 from hypothesis import strategies as st
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
 import distutils_ml as dml
 from distutils_ml.data import DistributedDataContainer, getobs, numobs
@@ -313,3 +313,228 @@ def access_body(backend: dml.Backend, case: AccessCase) -> int:
     glob = [int(ddc.indices[p]) for p in positions]
     assert_obs_equal(getobs(data, glob), batch)
     return size
+
+
+# -- exact evaluation: the unpadded view and gather_unpadded ------------------------------
+
+GATHER_DATA = ("tensor_dataset", "tuple", "dict", "dataset")
+GATHER_VALUES = ("tensor", "array", "list", "tuple", "dict", "object", "odd_dtypes")
+
+
+@dataclass(frozen=True)
+class GatherCase:
+    """One drawn evaluation: data, partition, epochs, and what each rank passes to gather_unpadded."""
+
+    data: str
+    values: str
+    n: int
+    shuffle: bool
+    drop_last: bool
+    seed: int
+    epochs: tuple[int, ...]
+    padded_ranks: int  # bit r set: rank r evaluates its whole share (padding included), else the unpadded view
+    pass_view: int  # bit r set: rank r passes share.unpadded() as the share argument
+    batch_size: int
+
+
+@st.composite
+def gather_cases(draw: st.DrawFn, max_n: int = 40) -> GatherCase:
+    """A random dataset size, partition, epochs and values kind."""
+    return GatherCase(
+        data=draw(st.sampled_from(GATHER_DATA)),
+        values=draw(st.sampled_from(GATHER_VALUES)),
+        n=draw(st.one_of(st.integers(0, 6), st.integers(0, max_n))),  # often fewer than the ranks
+        shuffle=draw(st.booleans()),
+        drop_last=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**32)),
+        epochs=tuple(draw(st.lists(st.integers(0, 50), min_size=1, max_size=3))),
+        padded_ranks=draw(st.integers(0, 31)),
+        pass_view=draw(st.integers(0, 31)),
+        batch_size=draw(st.integers(1, 7)),
+    )
+
+
+def small_gather_cases(values: str) -> list[GatherCase]:
+    """Every size up to 5 with and without drop_last, alternate ranks passing padded results (for 2-4 ranks)."""
+    return [
+        GatherCase("tuple", values, n, True, drop_last, 7, (0, 1), padded_ranks, padded_ranks, 2)
+        for n in range(6)
+        for drop_last in (False, True)
+        for padded_ranks in (0b0101, 0b1010)
+    ]
+
+
+def gather_data(kind: str, n: int, seed: int) -> Any:
+    """An evaluation dataset of ``kind`` whose observation g tells g."""
+    rng = np.random.default_rng(seed)
+    x = np.arange(n, dtype=np.float64)[:, None] + rng.random((n, 3))  # row g starts with g + [0, 1)
+    return {
+        "tensor_dataset": torch.utils.data.TensorDataset(torch.from_numpy(x), torch.arange(n) * 10),
+        "tuple": (x, torch.arange(n) * 10, [f"z{g}" for g in range(n)]),
+        "dict": {"x": x, "z": [f"z{g}" for g in range(n)]},
+        "dataset": Squares(n),
+    }[kind]
+
+
+def evaluate(kind: str, batch: Any) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """A "model" on a collated batch: a float score, an int label and a name per observation."""
+    if kind == "tensor_dataset":
+        x, y = batch
+        return x[:, 0] * 2 + x[:, 1], y, [f"y{v}" for v in y.tolist()]
+    if kind == "tuple":
+        x, y, z = batch
+        return x[:, 0] * 2 + x[:, 1], y, list(z)
+    if kind == "dict":
+        x = batch["x"]
+        return x[:, 0] * 2 + x[:, 2], x[:, 0].long(), list(batch["z"])
+    t, s = batch
+    return t[:, 1].double() / 3, t[:, 0], list(s)
+
+
+def evaluate_all(kind: str, batches: Any) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """``evaluate`` over every batch, concatenated (empty results for no batch)."""
+    scores, labels, names = [torch.empty(0, dtype=torch.float64)], [torch.empty(0, dtype=torch.int64)], []
+    for batch in batches:
+        score, label, name = evaluate(kind, batch)
+        scores.append(score)
+        labels.append(label)
+        names += name
+    return torch.cat(scores), torch.cat(labels), names
+
+
+def as_values(kind: str, score: torch.Tensor, label: torch.Tensor, names: list[str]) -> Any:
+    """What a rank passes to gather_unpadded (and what it gets back, for the whole dataset)."""
+    if kind == "tensor":
+        return score
+    if kind == "array":
+        return np.stack([score.numpy(), label.numpy().astype(np.float64)], axis=1)[:, :, None]
+    if kind == "list":
+        return names
+    if kind == "tuple":
+        return Pair(score, (label, names))
+    if kind == "dict":
+        return {"score": score.numpy(), "names": names}
+    if kind == "object":
+        out = np.empty(len(names), dtype=object)
+        for i, name in enumerate(names):
+            out[i] = (name, len(name))
+        return out
+    # dtypes the collectives cannot reduce travel as bytes all the same
+    return (
+        score.to(torch.bfloat16),
+        label % 20 == 0,
+        label.numpy().astype(np.complex64) * 1j,
+        np.array(names, dtype=str),
+    )
+
+
+def gather_body(backend: dml.Backend, case: GatherCase) -> int:
+    """gather_unpadded gives, on every rank, the single-process evaluation of the whole dataset; returns epochs done.
+
+    Each rank evaluates its share through a DataLoader, over the whole share (padding
+    included) or over ``share.unpadded()`` as the case says, and passes the container or
+    its view. The oracle evaluates the kept observations (every one, or with drop_last
+    those DistributedSampler hands out) in index order in one batch.
+    """
+    rank, world = dml.local_rank(backend), dml.total_workers(backend)
+    data = gather_data(case.data, case.n, case.seed)
+    share = DistributedDataContainer(backend, data, shuffle=case.shuffle, seed=case.seed, drop_last=case.drop_last)
+    view = share.unpadded()
+    assert len(view) == len(share) - share.num_padded
+    for epoch in case.epochs:
+        share.set_epoch(epoch)
+        assert view.indices.tolist() == share.indices[: len(view)].tolist()
+        padded = bool(case.padded_ranks >> rank & 1)
+        loader = DataLoader(share if padded else view, batch_size=case.batch_size)
+        values = as_values(case.values, *evaluate_all(case.data, loader))
+        given = view if case.pass_view >> rank & 1 else share
+        got = dml.gather_unpadded(backend, values, given)
+
+        kept: set[int] = set()
+        for r in range(world):
+            sampler = DistributedSampler(
+                range(case.n),
+                num_replicas=world,
+                rank=r,
+                shuffle=case.shuffle,
+                seed=case.seed,
+                drop_last=case.drop_last,
+            )
+            sampler.set_epoch(epoch)
+            kept.update(sampler)
+        rows = [direct(data, g) for g in sorted(kept)]
+        expected = as_values(case.values, *evaluate_all(case.data, [default_collate(rows)] if rows else []))
+        assert_obs_equal(got, expected)
+    return len(case.epochs)
+
+
+GATHER_MISUSES = ("too_long", "too_short", "kind", "dtype", "rows", "structure", "epoch", "share", "values_type")
+
+
+def gather_misuse_body(backend: dml.Backend, misuse: str, culprit: int) -> tuple[str, str]:
+    """Rank ``culprit`` misuses gather_unpadded; returns the error this rank got (every rank must get it).
+
+    Afterwards an allgather must see fresh data: nothing of the refused call was sent.
+    """
+    rank, world = dml.local_rank(backend), dml.total_workers(backend)
+    n = 3 * world + 1  # every rank but rank 0 has one padded observation
+    x = torch.arange(n, dtype=torch.float64)
+    share = DistributedDataContainer(backend, (x,), shuffle=True)
+    share.set_epoch(1 if misuse == "epoch" and rank == culprit else 0)
+    values: Any = x[torch.from_numpy(share.indices.copy())]
+    given: Any = share
+    if rank == culprit:
+        values = {
+            "too_long": torch.cat([values, values[:1]]),
+            "too_short": values[: len(share.unpadded()) - 1],
+            "kind": values.numpy(),
+            "dtype": values.float(),
+            "rows": values[:, None],
+            "structure": (values,),
+            "values_type": set(values.tolist()),
+        }.get(misuse, values)
+        given = (x,) if misuse == "share" else share
+    try:
+        dml.gather_unpadded(backend, values, given)
+    except (TypeError, ValueError) as e:
+        error = (type(e).__name__, str(e))
+    else:
+        error = ("", "no error")
+    out = np.empty(world, dtype=np.int64)
+    dml.allgather(backend, np.array(rank + 100), out)
+    assert out.tolist() == [r + 100 for r in range(world)], out
+    return error
+
+
+MISUSE_ERRORS = {
+    "too_long": ("ValueError", r"rank {c}: values: got {m1} observations; allowed: {m}"),
+    "too_short": ("ValueError", r"rank {c}: values: got {u1} observations"),
+    "kind": ("TypeError", r"values: rank {c} passes kind 'array', rank 0 'tensor'"),
+    "dtype": ("TypeError", r"values: rank {c} passes dtype torch.float32, rank 0 torch.float64"),
+    "rows": ("TypeError", r"values: rank {c} passes row shape \(1,\), rank 0 \(\)"),
+    "structure": ("TypeError", r"values: rank {c} passes a different structure than rank 0"),
+    "epoch": ("ValueError", r"share: the ranks' containers differ in epoch \(.*rank {c}: 1[,)]"),
+    "share": ("TypeError", r"rank {c}: share: got tuple .*; allowed: the DistributedDataContainer"),
+    "values_type": ("TypeError", r"rank {c}: values: got set .*; allowed: a torch.Tensor or NumPy array"),
+}
+
+
+def check_misuse(misuse: str, culprit: int, world: int, errors: list[tuple[str, str]]) -> None:
+    """Every rank raised the same error, of the expected class, naming the culprit."""
+    import re
+
+    n = 3 * world + 1
+    m = -(-n // world)
+    kind, pattern = MISUSE_ERRORS[misuse]
+    if misuse == "structure" and culprit == 0:
+        pattern = r"values: rank \d passes a different structure than rank 0"
+    elif misuse in ("kind", "dtype", "rows") and culprit == 0:  # then every other rank differs from rank 0
+        pattern = {"kind": r"rank 1 passes kind 'tensor', rank 0 'array'", "dtype": "rank 1 passes dtype"}.get(
+            misuse, r"rank 1 passes row shape \(\), rank 0 \(1,\)"
+        )
+    unpadded = m - (1 if culprit > 0 else 0)
+    pattern = pattern.format(c=culprit, m=m, m1=m + 1, u1=unpadded - 1)
+    assert len(set(errors)) == 1, errors
+    got_kind, message = errors[0]
+    assert got_kind == kind, errors
+    assert message.startswith("gather_unpadded: ") and re.search(pattern, message), (pattern, message)

@@ -20,18 +20,27 @@ import distutils_ml as dml
 from distutils_ml.data import DistributedDataContainer, getobs, numobs
 
 from data_bodies import (
+    GATHER_MISUSES,
+    GATHER_VALUES,
     AccessCase,
     BatchedSquares,
+    GatherCase,
     Pair,
     PartitionCase,
     Squares,
     access_body,
     access_cases,
     assert_obs_equal,
+    check_misuse,
     check_shares,
+    gather_body,
+    gather_cases,
+    gather_misuse_body,
     partition_body,
     partition_cases,
+    small_gather_cases,
 )
+from mpirun import requires_mpi, run_mpi
 
 WORLDS = st.integers(1, 5)
 
@@ -363,3 +372,99 @@ def test_getitems_collates_like_a_tensor_dataset() -> None:
     plain = TensorDataset(torch.from_numpy(x), y)
     for got, want in zip(DataLoader(ddc, batch_size=6), DataLoader(plain, batch_size=6), strict=True):
         assert_obs_equal(got, want)
+
+
+# -- exact evaluation: the unpadded view and gather_unpadded ------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=gather_cases(), world=WORLDS)
+def test_gather_unpadded_is_the_single_process_evaluation(case: GatherCase, world: int) -> None:
+    assert dml.LocalBackend.spawn(world, gather_body, case, timeout=60) == [len(case.epochs)] * world
+
+
+@pytest.mark.parametrize("values", GATHER_VALUES)
+def test_gather_unpadded_small_shares(values: str) -> None:
+    """Every small size on 2-4 ranks: empty shares, all-padding ranks, mixed padded and unpadded results."""
+    for world in (2, 3, 4):
+        for case in small_gather_cases(values):
+            assert dml.LocalBackend.spawn(world, gather_body, case, timeout=60) == [2] * world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("misuse", GATHER_MISUSES)
+def test_gather_unpadded_refuses_misuse_on_every_rank(misuse: str, world: int) -> None:
+    for culprit in range(world):
+        errors = dml.LocalBackend.spawn(world, gather_misuse_body, misuse, culprit, timeout=60)
+        check_misuse(misuse, culprit, world, errors)
+
+
+def test_tensor_dataset_evaluation_is_exact() -> None:
+    """The issue's case: a TensorDataset, 10 observations on 4 ranks (two of them padded)."""
+    data = TensorDataset(torch.arange(10.0)[:, None] * 2, torch.arange(10))
+
+    def body(backend: dml.Backend) -> tuple[int, torch.Tensor, torch.Tensor]:
+        share = DistributedDataContainer(backend, data)
+        preds, labels = [], []
+        for xb, yb in DataLoader(share.unpadded(), batch_size=2):
+            preds.append(xb[:, 0] + 1)
+            labels.append(yb)
+        preds_all, labels_all = dml.gather_unpadded(backend, (torch.cat(preds), torch.cat(labels)), share)
+        return len(share.unpadded()), preds_all, labels_all
+
+    results = dml.LocalBackend.spawn(4, body)
+    assert [n for n, _, _ in results] == [3, 3, 2, 2]
+    for _, preds, labels in results:
+        assert torch.equal(labels, torch.arange(10)) and torch.equal(preds, torch.arange(10.0) * 2 + 1)
+
+
+def test_unpadded_view_indexes_like_the_container() -> None:
+    (share,) = shares_of(3, list(range(10)), shuffle=True, seed=4)[2:]  # 4 observations, the last one padding
+    view = share.unpadded()
+    assert isinstance(view, dml.UnpaddedShare) and view.container is share
+    assert len(view) == 3 and share.num_padded == 1
+    assert view.indices.tolist() == share.indices[:3].tolist()
+    assert [view[i] for i in range(3)] == [share[i] for i in range(3)] == [view[i - 3] for i in range(3)]
+    assert view[:] == share[:3] and view[::-1] == share[2::-1]
+    assert view[[2, -3]] == share[[2, 0]] == view[np.array([2, 0])] == view[torch.tensor([2, 0])]
+    assert view.__getitems__([1, -1]) == [share[1], share[2]]
+    for bad in (3, -4, [0, 3], np.array([-4])):
+        with pytest.raises(IndexError, match=r"UnpaddedShare: index -?\d is out of range for this rank's 3"):
+            view[bad]
+    with pytest.raises(TypeError, match="UnpaddedShare: index: got"):
+        view[1.0]
+    share.set_epoch(5)  # the view follows the container's epoch
+    assert view.indices.tolist() == share.indices[:3].tolist()
+    assert pickle.loads(pickle.dumps(view))[:] == view[:]
+    with pytest.raises(TypeError, match="allowed: a DistributedDataContainer"):
+        dml.UnpaddedShare(list(range(3)))
+
+
+def test_unpadded_view_with_persistent_workers() -> None:
+    (share,) = shares_of(2, loader_data(21), shuffle=True, seed=2)[1:]  # 11 a rank, rank 1's last one padding
+    view = share.unpadded()
+    loader = DataLoader(view, batch_size=4, num_workers=2, persistent_workers=True)
+    for epoch in (0, 1):
+        share.set_epoch(epoch)
+        assert torch.equal(loaded(loader)[1], expected_epoch(share)[1][:10])
+
+
+def test_gather_unpadded_text_arrays_of_different_widths() -> None:
+    def body(backend: dml.Backend) -> np.ndarray:
+        share = DistributedDataContainer(backend, ["a", "bbbb", "cc"])
+        return dml.gather_unpadded(backend, np.array(share[:]), share)
+
+    for got in dml.LocalBackend.spawn(2, body):
+        assert got.dtype == np.dtype("<U4") and got.tolist() == ["a", "bbbb", "cc"]
+
+
+def test_gather_unpadded_bad_backend() -> None:
+    with pytest.raises(TypeError, match="gather_unpadded: the first argument must be a backend instance"):
+        dml.gather_unpadded(dml.LocalBackend, [], None)
+
+
+@requires_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_gather_unpadded_under_mpi(ranks: int) -> None:
+    job = run_mpi(ranks, ["tests/data_job.py"])
+    assert job.returncode == 0 and f"DATA JOB PASSED on {ranks} ranks" in job.output, job.output[-12000:]
