@@ -13,9 +13,10 @@ from distutils_ml.backends.base import Backend, ReduceOp
 from distutils_ml.backends.local import LocalBackend
 from distutils_ml.backends.mpi import MPIBackend
 from distutils_ml.backends.nccl import NCCLBackend
+from distutils_ml.buffers import broadcast_buffers
 from distutils_ml.checkpoint import load, rng_state, rng_state_all, save, set_rng_state, set_rng_state_all
 from distutils_ml.collectives import allgather, allreduce, barrier, bcast, reduce
-from distutils_ml.data import DistributedDataContainer, getobs, numobs
+from distutils_ml.data import DistributedDataContainer, UnpaddedShare, gather_unpadded, getobs, numobs
 from distutils_ml.objects import allgather_object, bcast_object
 from distutils_ml.optimizer import DistributedOptimizer, allreduce_gradients
 from distutils_ml.printing import print
@@ -46,6 +47,7 @@ __all__ = [
     "NCCLBackend",
     "ReduceOp",
     "StallError",
+    "UnpaddedShare",
     "allgather",
     "allgather_object",
     "allreduce",
@@ -53,7 +55,9 @@ __all__ = [
     "barrier",
     "bcast",
     "bcast_object",
+    "broadcast_buffers",
     "get_distributed_backend",
+    "gather_unpadded",
     "getobs",
     "initialize",
     "initialized",

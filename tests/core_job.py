@@ -8,7 +8,8 @@ Modes that must pass (rank 0 ends with ``CORE JOB PASSED``):
 - ``debug``: debug mode names a branch only one rank takes (an extra allreduce), a
   bfloat16 against an int16 broadcast, a bool MAX against a uint8 one, and the world
   goes on;
-- ``big``: collectives past 2**31 elements and an object over 2 GiB (2 ranks).
+- ``big``: collectives past 2**31 elements, an object over 2 GiB, the synchronize of a model of more
+  than 2**31 elements and a checkpoint over 2 GiB (2 ranks).
 
 Modes that must end the job (each alone): ``debug_stall`` (debug mode, the last rank
 never joins: the stall is reported), ``other_call`` (rank 0 finishes a different
@@ -20,8 +21,10 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -124,6 +127,24 @@ def big(backend: dml.Backend) -> None:
     blob = bytes(range(256)) * (n // 256 + 1) if rank == 0 else None
     got = dml.bcast_object(backend, blob, root=0)
     assert len(got) == 256 * (n // 256 + 1) and got[-3:] == bytes([253, 254, 255]) and got[256:258] == b"\x00\x01"
+    del blob, got
+    gc.collect()
+    # A model state of more than 2**31 elements: synchronize's fused broadcast, then a checkpoint over 2 GiB.
+    state = {"w": torch.full((n,), rank, dtype=torch.int8), "b": torch.full((3,), float(rank))}
+    dml.synchronize(backend, state, root=0)
+    assert int(state["w"][-1]) == 0 and int(state["w"][n // 2]) == 0 and state["b"].tolist() == [0.0] * 3
+    state["w"][-1] = 5
+    path = os.path.join(tempfile.gettempdir(), f"dml-big-{os.getpid() if rank == 0 else 0}.pt")
+    path = dml.bcast_object(backend, path)
+    try:
+        dml.save(backend, state, path)
+        del state
+        gc.collect()
+        loaded = dml.load(backend, path)
+    finally:
+        if rank == 0:
+            os.unlink(path)
+    assert loaded["w"].numel() == n and int(loaded["w"][-1]) == 5 and int(loaded["w"][7]) == 0
 
 
 def debug_stall(backend: dml.Backend) -> None:

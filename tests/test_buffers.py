@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sync_job import bn_model, buffers_eval_body, sync_batchnorm_body
 
 import distutils_ml as dml
+
+from sync_job import bn_model, buffers_eval_body, sync_batchnorm_body
 
 
 def count_calls(b: dml.Backend, name: str) -> list[tuple]:

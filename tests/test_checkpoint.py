@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from checkpoint_job import corrupted_load, record_spans, rng_helpers
 
 import distutils_ml as dml
 from distutils_ml import checkpoint as dml_checkpoint  # new names looked up when called: runs on old code too
 from distutils_ml.checkpoint import load, rng_state, save, set_rng_state
 
+from checkpoint_job import corrupted_load, record_spans, rng_helpers
 from mpirun import requires_mpi, run_mpi
 
 

@@ -14,6 +14,10 @@ import torch
 import torch.utils._pytree as pytree
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import distutils_ml as dml
+
+from mpirun import requires_mpi, run_mpi
 from sync_job import (
     KeyCase,
     LayoutCase,
@@ -29,10 +33,6 @@ from sync_job import (
     one_rank_layout_body,
     unpicklable_body,
 )
-
-import distutils_ml as dml
-
-from mpirun import requires_mpi, run_mpi
 from train_bodies import Holder, Pair, make_model, sync_cases, synchronize_body
 
 
