@@ -492,6 +492,7 @@ def rng_state_all(backend: Backend) -> list[dict[str, Any]]:
         ``[rng_state() of rank 0, rng_state() of rank 1, ...]``.
 
     Example:
+        >>> model = torch.nn.Linear(3, 1)
         >>> dml.save(backend, {"model": model, "rng": dml.rng_state_all(backend)}, "ckpt.pt")
     """
     check_backend(backend, "rng_state_all")
@@ -514,8 +515,11 @@ def set_rng_state_all(backend: Backend, states: list[dict[str, Any]]) -> None:
         ValueError: ``len(states)`` is not the number of ranks, or an entry lacks a key.
 
     Example:
-        >>> ckpt = dml.load(backend, "ckpt.pt")
-        >>> dml.set_rng_state_all(backend, ckpt["rng"])
+        >>> dml.save(backend, {"rng": dml.rng_state_all(backend)}, "ckpt.pt")
+        >>> first = torch.rand(2)
+        >>> dml.set_rng_state_all(backend, dml.load(backend, "ckpt.pt")["rng"])
+        >>> torch.equal(torch.rand(2), first)  # the same draws again
+        True
     """
     check_backend(backend, "set_rng_state_all")
     if not isinstance(states, (list, tuple)):
