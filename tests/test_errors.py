@@ -98,7 +98,7 @@ LOCAL_CASES: list[tuple[str, type[Exception], str, Callable[[dml.Backend], Any]]
 # Errors that only rank 0 can see (it reads and writes checkpoints): every rank calls, every rank raises.
 COLLECTIVE_CASES: list[tuple[str, type[Exception], str, Callable[[dml.Backend], Any]]] = [
     ("synchronize complex leaf", TypeError, "complex64", lambda b: dml.synchronize(b, {"x": torch.zeros(2, dtype=torch.complex64)})),
-    ("load missing file", FileNotFoundError, "load: rank 0 could not read the checkpoint '/nonexistent/ckpt.pt'", lambda b: dml.load(b, "/nonexistent/ckpt.pt")),
+    ("load missing file", FileNotFoundError, "load: could not read the checkpoint '/nonexistent/ckpt.pt': rank 0: FileNotFoundError", lambda b: dml.load(b, "/nonexistent/ckpt.pt")),
     ("save missing directory", FileNotFoundError, "'/nonexistent' of '/nonexistent/ckpt.pt' does not exist", lambda b: dml.save(b, {"x": 1}, "/nonexistent/ckpt.pt")),
     ("save a plain DataLoader", TypeError, "a torch.utils.data.DataLoader has no state to save", lambda b: dml.save(b, {"loader": torch.utils.data.DataLoader(_container(b))}, "/nonexistent/ckpt.pt")),
 ]  # fmt: skip
