@@ -260,9 +260,9 @@ def make_trainer(world: World, name: str, make: Callable[[], tuple[Any, Any]]) -
         if reducer is not None:
             reduce = reducer.reduce
 
-            def timed_reduce(ps: list[Any]) -> None:
+            def timed_reduce(*args: Any) -> None:
                 t0 = clock()
-                reduce(ps)
+                reduce(*args)
                 spent[0] += clock() - t0
 
             reducer.reduce = timed_reduce

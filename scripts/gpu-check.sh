@@ -2,7 +2,8 @@
 # The GPU subset, on a machine with an NVIDIA GPU (not CI): NCCL world of one (and of two ranks
 # where there are two GPUs: NCCL needs one GPU per rank), the staged MPI path on 1 and 2 ranks
 # sharing the GPU, CUDA-aware MPI if the MPI supports it, stream ordering, CuPy arrays, training
-# on CUDA, the quickstart on CUDA, and our NCCL allreduce against the raw CuPy NCCL call.
+# on CUDA, object collectives, exact evaluation, buffer broadcasts and strided synchronize on CUDA,
+# the quickstart on CUDA, and our NCCL allreduce against the raw CuPy NCCL call.
 # Usage: bash scripts/gpu-check.sh   (from the repository root, in an environment with
 #        distutils-ml[test,mpi,cuda] or [cuda13] installed).
 set -uo pipefail

@@ -120,6 +120,31 @@ def check_training(backend: dml.Backend) -> None:
     assert (every == every[0]).all(), "replicas differ"
 
 
+def check_issue_11(backend: dml.Backend) -> None:
+    """Object collectives, exact evaluation, buffers and synchronize of strided leaves, on CUDA tensors."""
+    rank, w = dml.local_rank(backend), dml.total_workers(backend)
+    assert dml.bcast_object(backend, {"r": rank}, root=w - 1) == {"r": w - 1}
+    assert dml.allgather_object(backend, rank) == list(range(w))
+    share = dml.DistributedDataContainer(backend, torch.arange(10.0))
+    preds = torch.stack([share[i] for i in range(len(share))]).cuda() * 2
+    gathered = dml.gather_unpadded(backend, preds, share)
+    assert torch.equal(gathered.cpu(), torch.arange(10.0) * 2), gathered
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).cuda()
+    handle = dml.broadcast_buffers(backend, model)
+    model(torch.randn(8, 4, device="cuda") + rank)
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(8, 4, device="cuda"))  # the first eval forward: root's buffers everywhere
+    stats = model[1].running_mean.double().cpu().numpy()
+    every = np.empty((w, stats.size))
+    dml.allgather(backend, stats, every)
+    assert (every == every[0]).all(), "buffers differ after the first evaluation forward"
+    handle.remove()
+    leaf = torch.full((4, 6), float(rank), device="cuda").t()  # non-contiguous on every rank
+    dml.synchronize(backend, {"w": leaf}, root=0)
+    assert (leaf == 0).all()
+
+
 def main(kind: str) -> None:
     if kind == "nccl":
         dml.initialize(dml.NCCLBackend)
@@ -133,6 +158,7 @@ def main(kind: str) -> None:
     check_stream_ordering(backend)
     cupy_checked = check_cupy(backend)
     check_training(backend)
+    check_issue_11(backend)
     dml.barrier(backend)
     if dml.local_rank(backend) == 0:
         what = f"{n} op/dtype cases, CuPy arrays {'checked' if cupy_checked else 'skipped (no CuPy)'}"
