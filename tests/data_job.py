@@ -11,36 +11,14 @@ passed.
 
 from __future__ import annotations
 
-import sys
 import time
-import traceback
-from typing import Any
 
-from hypothesis import HealthCheck, Phase, given, settings
-from mpi4py import MPI
+from hypothesis import given, settings
 
 import distutils_ml as dml
 
 import data_bodies
-
-SETTINGS = settings(
-    derandomize=True,
-    database=None,
-    deadline=None,
-    phases=[Phase.generate],
-    suppress_health_check=list(HealthCheck),
-)
-
-
-def guarded(fn: Any, *args: Any) -> Any:
-    """Run ``fn``; on any failure print rank, arguments and traceback, then abort the job."""
-    try:
-        return fn(*args)
-    except BaseException:
-        sys.stderr.write(f"[rank {MPI.COMM_WORLD.rank}] CHECK FAILED: {fn.__name__}{args[1:]!r}\n")
-        sys.stderr.write(traceback.format_exc())
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(3)
+from mpi_main import SETTINGS, guarded
 
 
 def gather_checks(backend: dml.Backend, examples: int) -> int:

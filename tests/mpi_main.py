@@ -8,6 +8,7 @@ ranks could not follow it). Rank 0 ends with ``MPI CHECKS PASSED`` when all pass
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import signal
@@ -15,6 +16,7 @@ import sys
 import time
 import traceback
 import zlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -79,11 +81,16 @@ def hypothesis_check(backend: dml.Backend, body: Any, strategy: Any, examples: i
     return count
 
 
-def ddp_check(backend: dml.Backend, steps: int = 5) -> float:
-    """Bitwise-identical parameters to torch DistributedDataParallel (gloo) on the same data."""
+@contextlib.contextmanager
+def gloo_group(backend: dml.Backend) -> Iterator[list[Any]]:
+    """A torch.distributed gloo group over ``backend``'s ranks, torn down with care on leaving.
+
+    Yields a list: append every DDP wrapper (or other holder of the group) to it and keep no
+    other reference past the block (the bodies below hold theirs as locals of a function
+    called inside it). The list's entries are freed while the group is still alive.
+    """
     import datetime
 
-    import torch
     import torch.distributed as dist
 
     rank, size = backend.rank, backend.size
@@ -98,31 +105,13 @@ def ddp_check(backend: dml.Backend, steps: int = 5) -> float:
     if store is None:
         store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
-    keep: list[Any] = []  # the DDP reference models, torn down in order below
+    keep: list[Any] = []  # what holds the group (DDP wrappers), freed in order below
     try:
-        worst = 0.0
-        # bucket_bytes=0 reduces every gradient in place; the default bucket holds these small ones as views.
-        for kind, bucket_bytes in (("sgd", 0), ("adam", 0), ("sgd", 1 << 20), ("adam", 1 << 20)):
-            base = train_bodies.make_model(11, hidden=64, bn=False)
-            ours = train_bodies.make_model(11, hidden=64, bn=False)
-            ddp = torch.nn.parallel.DistributedDataParallel(base)
-            keep.append(ddp)
-            opt_ddp = train_bodies._optimizer(kind, ddp.parameters())
-            opt = dml.DistributedOptimizer(
-                backend, train_bodies._optimizer(kind, ours.parameters()), bucket_bytes=bucket_bytes
-            )
-            g = torch.Generator().manual_seed(5)
-            for _ in range(steps):
-                x, y = torch.randn(16 * size, 3, generator=g), torch.randn(16 * size, 2, generator=g)
-                xs, ys = x[rank::size], y[rank::size]
-                for model, o in ((ddp, opt_ddp), (ours, opt)):
-                    o.zero_grad()
-                    torch.nn.functional.mse_loss(model(xs), ys).backward()
-                    o.step()
-            for p, q in zip(ours.parameters(), base.parameters(), strict=True):
-                worst = max(worst, float((p - q).detach().abs().max()))
-        assert worst == 0.0, f"parameters differ from DDP's by up to {worst}"
-        return worst
+        yield keep
+    except BaseException as e:
+        # The failed frames' locals (a body's wrapper, DDP's own ``self``) would outlive the group.
+        traceback.clear_frames(e.__traceback__)
+        raise
     finally:
         # gloo's teardown can hang (a worker thread blocked in a receive, pytorch#75097) when a
         # rank frees its process group while the other still uses it: finish every gloo operation
@@ -130,10 +119,56 @@ def ddp_check(backend: dml.Backend, steps: int = 5) -> float:
         # still alive, destroy it on both ranks, and keep rank 0's store up until all are done.
         dist.barrier()
         keep.clear()
-        ddp = model = None  # drop the loop's references to the last wrapper
         gc.collect()
         dist.destroy_process_group()
         backend._barrier()
+
+
+def ddp_body(backend: dml.Backend, keep: list[Any], steps: int) -> float:
+    """ddp_check's comparison, inside ``gloo_group``; ``keep`` gets the DDP reference models."""
+    import torch
+
+    rank, size = backend.rank, backend.size
+    worst = 0.0
+    # bucket_bytes=0 reduces every gradient in place; the default bucket holds these small ones as views.
+    for kind, bucket_bytes in (("sgd", 0), ("adam", 0), ("sgd", 1 << 20), ("adam", 1 << 20)):
+        base = train_bodies.make_model(11, hidden=64, bn=False)
+        ours = train_bodies.make_model(11, hidden=64, bn=False)
+        ddp = torch.nn.parallel.DistributedDataParallel(base)
+        keep.append(ddp)
+        opt_ddp = train_bodies._optimizer(kind, ddp.parameters())
+        opt = dml.DistributedOptimizer(
+            backend, train_bodies._optimizer(kind, ours.parameters()), bucket_bytes=bucket_bytes
+        )
+        g = torch.Generator().manual_seed(5)
+        for _ in range(steps):
+            x, y = torch.randn(16 * size, 3, generator=g), torch.randn(16 * size, 2, generator=g)
+            xs, ys = x[rank::size], y[rank::size]
+            for model, o in ((ddp, opt_ddp), (ours, opt)):
+                o.zero_grad()
+                torch.nn.functional.mse_loss(model(xs), ys).backward()
+                o.step()
+        for p, q in zip(ours.parameters(), base.parameters(), strict=True):
+            worst = max(worst, float((p - q).detach().abs().max()))
+    assert worst == 0.0, f"parameters differ from DDP's by up to {worst}"
+    return worst
+
+
+def ddp_check(backend: dml.Backend, steps: int = 5) -> float:
+    """Bitwise-identical parameters to torch DistributedDataParallel (gloo) on the same data."""
+    with gloo_group(backend) as keep:
+        return ddp_body(backend, keep, steps)
+
+
+def run_checks(world: dml.Backend, checks: list[str], banner: str, run_check: Callable[[str], Any]) -> None:
+    """``run_check(check)`` for each check, on every rank, with its time and result; rank 0 ends with ``banner``."""
+    for check in checks:
+        start = time.perf_counter()
+        detail = run_check(check)
+        dml.print(world, f"check {check} passed in {time.perf_counter() - start:.1f}s: {detail}")
+    dml.barrier(world)
+    if dml.local_rank(world) == 0:
+        print(f"{banner}: {' '.join(checks)} on {world.size} ranks", flush=True)
 
 
 def main(checks: list[str]) -> None:
@@ -143,10 +178,10 @@ def main(checks: list[str]) -> None:
     # The same bodies on a backend with tiny segments exercise the segmented paths.
     tiny = dml.MPIBackend(segment_bytes=16)
     rank = dml.local_rank(world)
-    for check in checks:
-        start = time.perf_counter()
+
+    def run_check(check: str) -> Any:
         if check == "properties":
-            detail = {
+            return {
                 f"{name}@{label}": property_check(b, name, label, EXAMPLES)
                 for name in bodies.BODIES
                 for label, b in (("default", world), ("segment16", tiny))
@@ -154,8 +189,9 @@ def main(checks: list[str]) -> None:
         elif check == "matrix":
             detail = {label: guarded(bodies.matrix_body, b) for label, b in (("default", world), ("segment16", tiny))}
             assert detail == {"default": bodies.matrix_size(), "segment16": bodies.matrix_size()}, detail
+            return detail
         elif check == "synchronize":
-            detail = hypothesis_check(world, train_bodies.synchronize_body, train_bodies.sync_cases(), 15)
+            return hypothesis_check(world, train_bodies.synchronize_body, train_bodies.sync_cases(), 15)
         elif check == "train":
             detail = {
                 "train": hypothesis_check(world, train_bodies.train_identical_body, train_bodies.train_cases(), 20),
@@ -165,19 +201,20 @@ def main(checks: list[str]) -> None:
             }
             guarded(train_bodies.accumulation_body, world, 3)
             guarded(train_bodies.compression_body, world, 1)
+            return detail
         elif check == "data":
-            detail = {
+            return {
                 "partition": hypothesis_check(world, data_bodies.partition_body, data_bodies.partition_cases(), 60),
                 "access": hypothesis_check(world, data_bodies.access_body, data_bodies.access_cases(), 30),
             }
         elif check == "ddp":
-            detail = guarded(ddp_check, world)
+            return guarded(ddp_check, world)
         elif check == "bad_input":
             # First on a debug backend: a stray send from a bad call meets the next good
             # collective's fingerprint exchange and fails at once as CollectiveMismatchError
             # (on the plain backend it would more likely hang until the runner's timeout).
             checker = dml.MPIBackend(debug=True)
-            detail = [
+            return [
                 guarded(bodies.bad_input_body, b, culprit) for b in (checker, world) for culprit in range(world.size)
             ]
         elif check == "large":
@@ -192,7 +229,7 @@ def main(checks: list[str]) -> None:
                             continue
                         guarded(bodies.large_body, world, n, dtype, op, runs % 2 == 0)
                         runs += 1
-            detail = runs
+            return runs
         elif check == "subcomm":
             sub = MPI.COMM_WORLD.Split(color=rank % 2, key=rank)
             half = dml.MPIBackend(comm=sub)
@@ -203,33 +240,31 @@ def main(checks: list[str]) -> None:
             assert dml.total_workers(half) == sub.Get_size()
             detail = {"sub_size": half.size, "node_local_rank": world.node_local_rank, "node_size": world.node_size}
             assert world.node_size == world.size  # one machine
+            return detail
         elif check == "objects":
             got = world._bcast_object({"rank": rank, "x": [1, "two", None, 3.5]} if rank == 1 else None, 1)
             assert got == {"rank": 1, "x": [1, "two", None, 3.5]}, got
-            detail = "ok"
+            return "ok"
         elif check == "debug":
             checker = dml.MPIBackend(debug=True)
-            detail = [guarded(bodies.mismatch_body, checker, case) for case in bodies.MISMATCHES]
+            return [guarded(bodies.mismatch_body, checker, case) for case in bodies.MISMATCHES]
         elif check == "stall":  # the last rank never joins the second allreduce
             watched = dml.MPIBackend(timeout=3)
             dml.allreduce(watched, np.ones(2), dml.SUM)
             if rank == world.size - 1:
                 time.sleep(120)
             dml.allreduce(watched, np.ones(4, dtype=np.float32), dml.SUM)
-            detail = "not aborted"
+            return "not aborted"
         elif check.startswith("raise_on_rank"):
             culprit = int(check.removeprefix("raise_on_rank"))
             if rank == culprit:
                 time.sleep(0.5)
                 raise RuntimeError(f"deliberate failure on rank {rank}")
             dml.allreduce(world, np.ones(4), dml.SUM)  # the others wait here until the abort
-            detail = "not aborted"
-        else:
-            raise SystemExit(f"unknown check {check!r}")
-        dml.print(world, f"check {check} passed in {time.perf_counter() - start:.1f}s: {detail}")
-    dml.barrier(world)
-    if rank == 0:
-        print(f"MPI CHECKS PASSED: {' '.join(checks)} on {world.size} ranks", flush=True)
+            return "not aborted"
+        raise SystemExit(f"unknown check {check!r}")
+
+    run_checks(world, checks, "MPI CHECKS PASSED", run_check)
 
 
 if __name__ == "__main__":

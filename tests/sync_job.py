@@ -12,9 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import gc
 import sys
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -412,69 +410,54 @@ def buffers_eval_body(b: dml.Backend) -> None:
     world_usable(b)
 
 
+def ddp_buffers_body(b: dml.Backend, keep: list[Any], epochs: int) -> None:
+    """ddp_buffers_check's comparison, inside ``mpi_main.gloo_group``; ``keep`` gets the DDP wrapper."""
+    rank, size = b.rank, b.size
+    ddp = torch.nn.parallel.DistributedDataParallel(bn_model(rank))  # copies rank 0's model
+    keep.append(ddp)
+    models = {"ddp": ddp, "ours": bn_model(rank), "plain": bn_model(rank)}
+    for name in ("ours", "plain"):
+        dml.synchronize(b, models[name])
+    handle = dml.broadcast_buffers(b, models["ours"])
+    opts = {
+        "ddp": torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9),
+        "ours": dml.DistributedOptimizer(b, torch.optim.SGD(models["ours"].parameters(), lr=0.1, momentum=0.9)),
+        "plain": dml.DistributedOptimizer(b, torch.optim.SGD(models["plain"].parameters(), lr=0.1, momentum=0.9)),
+    }
+    g = torch.Generator().manual_seed(123)
+    plain_differs = False
+    for _ in range(epochs):
+        xs = torch.randn(4, 8 * size, 3, generator=g)
+        ys = torch.randn(4, 8 * size, 2, generator=g)
+        evals = torch.randn(3, 5 * size, 3, generator=g)
+        outs = {}
+        for name, model in models.items():
+            model.train()
+            for x, y in zip(xs, ys, strict=True):
+                opts[name].zero_grad()
+                torch.nn.functional.mse_loss(model(x[rank::size]), y[rank::size]).backward()
+                opts[name].step()
+            model.eval()
+            with torch.no_grad():
+                outs[name] = torch.cat([model(e[rank::size]) for e in evals])
+        assert torch.equal(outs["ours"], outs["ddp"]), (outs["ours"] - outs["ddp"]).abs().max()
+        for mine, theirs in zip(models["ours"].buffers(), ddp.module.buffers(), strict=True):
+            assert torch.equal(mine, theirs), "buffers differ from DDP's"
+        for mine, theirs in zip(models["ours"].parameters(), ddp.module.parameters(), strict=True):
+            assert torch.equal(mine, theirs), "parameters differ from DDP's"
+        plain_differs = plain_differs or not torch.equal(outs["plain"], outs["ddp"])
+    flags = np.empty(size, dtype=np.int8)
+    dml.allgather(b, np.array(plain_differs, dtype=np.int8), flags)
+    assert flags.any(), "without broadcast_buffers the evaluation should differ from DDP's on some rank"
+    handle.remove()
+
+
 def ddp_buffers_check(b: dml.Backend, epochs: int = 3) -> None:
     """Per-epoch evaluation with BatchNorm: outputs and buffers bitwise equal to torch DDP (gloo)."""
-    import datetime
+    from mpi_main import gloo_group  # here: importing mpi4py would start MPI in the LocalBackend tests
 
-    import torch.distributed as dist
-
-    rank, size = b.rank, b.size
-    timeout = datetime.timedelta(seconds=60)
-    store = (
-        dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
-        if rank == 0
-        else None
-    )
-    port = dml.bcast_object(b, store.port if store else None)
-    if store is None:
-        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
-    keep: list[Any] = []
-    try:
-        ddp = torch.nn.parallel.DistributedDataParallel(bn_model(rank))  # copies rank 0's model
-        keep.append(ddp)
-        models = {"ddp": ddp, "ours": bn_model(rank), "plain": bn_model(rank)}
-        for name in ("ours", "plain"):
-            dml.synchronize(b, models[name])
-        handle = dml.broadcast_buffers(b, models["ours"])
-        opts = {
-            "ddp": torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9),
-            "ours": dml.DistributedOptimizer(b, torch.optim.SGD(models["ours"].parameters(), lr=0.1, momentum=0.9)),
-            "plain": dml.DistributedOptimizer(b, torch.optim.SGD(models["plain"].parameters(), lr=0.1, momentum=0.9)),
-        }
-        g = torch.Generator().manual_seed(123)
-        plain_differs = False
-        for _ in range(epochs):
-            xs = torch.randn(4, 8 * size, 3, generator=g)
-            ys = torch.randn(4, 8 * size, 2, generator=g)
-            evals = torch.randn(3, 5 * size, 3, generator=g)
-            outs = {}
-            for name, model in models.items():
-                model.train()
-                for x, y in zip(xs, ys, strict=True):
-                    opts[name].zero_grad()
-                    torch.nn.functional.mse_loss(model(x[rank::size]), y[rank::size]).backward()
-                    opts[name].step()
-                model.eval()
-                with torch.no_grad():
-                    outs[name] = torch.cat([model(e[rank::size]) for e in evals])
-            assert torch.equal(outs["ours"], outs["ddp"]), (outs["ours"] - outs["ddp"]).abs().max()
-            for mine, theirs in zip(models["ours"].buffers(), ddp.module.buffers(), strict=True):
-                assert torch.equal(mine, theirs), "buffers differ from DDP's"
-            for mine, theirs in zip(models["ours"].parameters(), ddp.module.parameters(), strict=True):
-                assert torch.equal(mine, theirs), "parameters differ from DDP's"
-            plain_differs = plain_differs or not torch.equal(outs["plain"], outs["ddp"])
-        flags = np.empty(size, dtype=np.int8)
-        dml.allgather(b, np.array(plain_differs, dtype=np.int8), flags)
-        assert flags.any(), "without broadcast_buffers the evaluation should differ from DDP's on some rank"
-        handle.remove()
-    finally:
-        dist.barrier()
-        keep.clear()
-        ddp = model = models = opts = None  # drop the references to the DDP wrapper before destroying its group
-        gc.collect()
-        dist.destroy_process_group()
-        dml.barrier(b)
+    with gloo_group(b) as keep:
+        ddp_buffers_body(b, keep, epochs)
 
 
 # -- MPI ------------------------------------------------------------------------------------------
@@ -483,44 +466,14 @@ def ddp_buffers_check(b: dml.Backend, epochs: int = 3) -> None:
 def main(checks: list[str]) -> None:
     import faulthandler
     import signal
-    import time
 
-    from hypothesis import HealthCheck, Phase, given, settings
-    from mpi4py import MPI
+    from mpi_main import guarded, hypothesis_check, run_checks
 
     faulthandler.register(signal.SIGUSR1)
     dml.initialize(dml.MPIBackend)
     world = dml.get_distributed_backend(dml.MPIBackend)
     checker = dml.MPIBackend(debug=True)  # compares every collective across ranks: a rank-local path shows
     rank = world.rank
-
-    def guarded(fn: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except BaseException:
-            sys.stderr.write(f"[rank {rank}] CHECK FAILED: {fn.__name__}{args[1:]!r}\n{traceback.format_exc()}")
-            sys.stderr.flush()
-            MPI.COMM_WORLD.Abort(3)
-
-    def drawn(body: Callable[..., Any], strategy: Any, examples: int) -> int:
-        count = 0
-
-        @settings(
-            derandomize=True,
-            database=None,
-            deadline=None,
-            phases=[Phase.generate],
-            suppress_health_check=list(HealthCheck),
-            max_examples=examples,
-        )
-        @given(case=strategy)
-        def run(case: Any) -> None:
-            nonlocal count
-            guarded(body, world, case)
-            count += 1
-
-        run()
-        return count
 
     def root_only_class() -> Any:
         """A class that exists in ``__main__`` on root only (what a rank-conditional definition gives)."""
@@ -529,36 +482,32 @@ def main(checks: list[str]) -> None:
             main_module.OnlyOnRoot = type("OnlyOnRoot", (), {"__module__": "__main__"})
         return main_module.OnlyOnRoot()
 
-    for check in checks:
-        start = time.perf_counter()
+    def run_check(check: str) -> Any:
         if check == "reproducers":
             for b in (world, checker):
                 guarded(negative_strides_body, b)
                 guarded(one_rank_layout_body, b)
             guarded(unpicklable_body, world, root_only_class)
-            detail = "ok"
+            return "ok"
         elif check == "layouts":
-            detail = drawn(layouts_body, layout_cases(), 25)
+            return hypothesis_check(world, layouts_body, layout_cases(), 25)
         elif check == "keys":
             guarded(numpy_keys_body, world)
             guarded(custom_keys_body, world)
-            detail = drawn(keys_body, key_cases(), 25)
+            return hypothesis_check(world, keys_body, key_cases(), 25)
         elif check == "batchnorm":
             guarded(sync_batchnorm_body, world)
             guarded(buffers_eval_body, world)
-            detail = "ok"
+            return "ok"
         elif check == "ddp_buffers":
             guarded(ddp_buffers_check, world)
-            detail = "bitwise equal"
+            return "bitwise equal"
         elif check == "late_failure":
             late_failure_body(world)
-            detail = "not aborted"
-        else:
-            raise SystemExit(f"unknown check {check!r}")
-        dml.print(world, f"check {check} passed in {time.perf_counter() - start:.1f}s: {detail}")
-    dml.barrier(world)
-    if rank == 0:
-        print(f"SYNC CHECKS PASSED: {' '.join(checks)} on {world.size} ranks", flush=True)
+            return "not aborted"
+        raise SystemExit(f"unknown check {check!r}")
+
+    run_checks(world, checks, "SYNC CHECKS PASSED", run_check)
 
 
 if __name__ == "__main__":
