@@ -409,3 +409,34 @@ def test_hang_page_maps_the_usual_causes() -> None:
         assert any(cause in h for h in headings), f"docs/hangs.md: no section on {cause!r}: {headings}"
     runs = [b for b in MPI_BLOCKS if b.page == "docs/hangs.md"]
     assert len(runs) >= 3 and all(b.fails and b.expect for b in runs), "the hang examples must run and fail as shown"
+
+
+# -- What the pages must say about the features of issue 11 (items 15-17 and the core) ------------------------
+
+
+def test_no_page_drops_the_padding_by_hand() -> None:
+    # share[: len(share) - share.num_padded] breaks on a TensorDataset: pages use share.unpadded() instead.
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        assert not re.search(r"-\s*\w+\.num_padded\s*\]", text), f"{page.name} slices the padding off by hand"
+    data = _text("docs/data.md")
+    assert ".unpadded()" in data and "dml.gather_unpadded(" in data and "dataset order" in data
+    for page in ("docs/integration.md", "docs/testing.md"):
+        assert "dml.gather_unpadded(" in _text(page), page
+
+
+def test_exact_resume_recipe() -> None:
+    reliability = _text("docs/reliability.md")
+    for needed in ("generator=torch.Generator()", "dml.rng_state_all(backend)", "dml.set_rng_state_all(backend"):
+        assert needed in reliability, needed
+    assert not re.search(r"synchronize\(backend, dml\.rng_state\(\)", reliability), "one broadcast per rank"
+    runs = [b for b in MPI_BLOCKS if b.page == "docs/reliability.md" and "set_rng_state_all" in b.code]
+    assert runs and all("bitwise" in b.expect and "generator=torch.Generator()" in b.code for b in runs)
+
+
+def test_buffers_and_the_optimizer_rules_are_documented() -> None:
+    integration = _text("docs/integration.md")
+    assert "dml.broadcast_buffers(backend" in integration and "SyncBatchNorm" in integration
+    optimizer = _text("docs/optimizer.md")
+    for needed in ("once per step", "`opt.zero_grad()`", "SparseAdam", "step(closure)", "ValueError"):
+        assert needed in optimizer, needed
