@@ -1,8 +1,9 @@
 """Collectives, backend first: ``allreduce``, ``bcast``, ``reduce``, ``allgather``, ``barrier``.
 
 Every argument is checked on the calling rank before any byte is sent, so a bad call
-raises on that rank and leaves the world usable. Buffers are NumPy arrays or CPU
-torch tensors (:mod:`distutils_ml.arrays`); results land in the caller's buffer.
+raises on that rank and leaves the world usable. Buffers are NumPy arrays, torch
+tensors (CPU or CUDA) or CuPy arrays (:mod:`distutils_ml.arrays`); results land in the
+caller's buffer. Any size: backends move large buffers in pieces.
 
 One thread at a time: a collective entered while another thread of this process is
 inside one on the same backend raises ``RuntimeError`` naming both threads (before

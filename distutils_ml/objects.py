@@ -125,7 +125,8 @@ def bcast_object(backend: Backend, obj: Any, *, root: int = 0) -> Any:
         root: the rank whose value every rank gets.
 
     Raises:
-        TypeError / pickle.PicklingError: root's value cannot be pickled (raised on every rank).
+        TypeError, AttributeError, pickle.PicklingError: root's value cannot be pickled (the
+            pickling error's class, raised on every rank).
         RuntimeError: some rank could not unpickle it (raised on every rank, naming them).
 
     Example:
@@ -165,8 +166,8 @@ def allgather_object(backend: Backend, obj: Any) -> list[Any]:
         ``[obj of rank 0, obj of rank 1, ...]``; this rank's entry is its own ``obj``.
 
     Raises:
-        TypeError / pickle.PicklingError: some rank's value cannot be pickled (raised on
-            every rank, naming that rank).
+        TypeError, AttributeError, pickle.PicklingError: some rank's value cannot be pickled
+            (the pickling error's class, raised on every rank, naming that rank).
         RuntimeError: some rank could not unpickle another's value (raised on every rank).
 
     Example:
