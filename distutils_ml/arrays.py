@@ -19,6 +19,7 @@ __all__ = [
     "HALF_DTYPES",
     "OnDevice",
     "OP_DTYPE_OK",
+    "TORCH_DTYPE",
     "FLOAT_DTYPES",
     "check_op_dtype",
     "cuda_tensor",
@@ -26,6 +27,7 @@ __all__ = [
     "not_contiguous",
     "pinned_like",
     "torch_dtype_name",
+    "unusual_tensor",
     "result_view",
     "source_view",
     "to_float32",
@@ -64,6 +66,8 @@ _TORCH_DTYPES = {
     torch.float32: "float32",
     torch.float64: "float64",
 }
+#: The torch dtype of each portable dtype name.
+TORCH_DTYPE = {name: dtype for dtype, name in _TORCH_DTYPES.items()}
 _ALLOWED_DTYPES = (
     "bool, int8, int16, int32, int64, uint8 (and uint16/32/64 for NumPy), float16, bfloat16 (torch), float32, float64"
 )
@@ -122,8 +126,14 @@ def _type_error(buf: Any, name: str) -> Exception:
     )
 
 
-def _unusual_tensor(buf: torch.Tensor, name: str, in_place: bool) -> Exception | None:
-    """An error for a tensor that is not a plain dense one (sparse, nested, a lazy negation/conjugate view)."""
+def unusual_tensor(buf: torch.Tensor, name: str, in_place: bool) -> Exception | None:
+    """An error for a tensor that is not a plain dense one (sparse, nested, quantized, or, where
+    ``in_place``, a lazy negation/conjugate view), or None."""
+    if buf.is_quantized:
+        return TypeError(
+            f"{name}: a quantized tensor is not supported; allowed: dense (strided) tensors of a plain dtype. "
+            "Convert it with .dequantize()"
+        )
     if buf.is_nested:
         return TypeError(
             f"{name}: a nested tensor is not supported; allowed: dense (strided) tensors. Send its components "
@@ -156,7 +166,7 @@ def cuda_tensor(buf: Any, name: str) -> torch.Tensor:
         t = torch.from_dlpack(buf)  # zero-copy; ordered after CuPy's current stream
     else:
         raise TypeError(f"{name}: got {type(buf).__qualname__}; allowed: a CUDA torch.Tensor or a CuPy array")
-    unusual = _unusual_tensor(t, name, in_place=False)
+    unusual = unusual_tensor(t, name, in_place=False)
     if unusual is not None:
         raise unusual
     if not t.is_cuda:
@@ -201,7 +211,7 @@ def _torch_view(buf: torch.Tensor, name: str, contiguous: bool) -> tuple[np.ndar
 
 
 def _torch_view_checked(buf: torch.Tensor, name: str, contiguous: bool) -> tuple[np.ndarray, str]:
-    unusual = _unusual_tensor(buf, name, in_place=contiguous)
+    unusual = unusual_tensor(buf, name, in_place=contiguous)
     if unusual is not None:
         raise unusual
     if not buf.is_cpu:

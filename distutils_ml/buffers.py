@@ -12,14 +12,13 @@ gives a module that behaviour, with the buffers fused into one broadcast per dty
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from typing import Any
 
 import torch
 
 from distutils_ml.backends.base import Backend, check_backend
 from distutils_ml.collectives import _check_root
-from distutils_ml.objects import exclusive
+from distutils_ml.objects import digest, exclusive
 from distutils_ml.synchronize import (
     FusedBroadcast,
     agree,
@@ -76,7 +75,7 @@ class BufferBroadcast:
                 fused = FusedBroadcast(buffers, [e[0] for e in listing], [e[1:] for e in listing], is_root)
             except Exception as e:  # reported through the agreement: every rank raises
                 failure = e
-            signature = int.from_bytes(hashlib.blake2b(repr(listing).encode(), digest_size=8).digest(), "little") >> 1
+            signature = digest(repr(listing))
             agree(
                 backend,
                 "broadcast_buffers",

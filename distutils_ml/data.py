@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from distutils_ml.arrays import unusual_tensor
 from distutils_ml.backends.base import Backend, check_backend
 from distutils_ml.collectives import allgather
 from distutils_ml.objects import allgather_object, exclusive
@@ -611,13 +612,9 @@ def _leaf_spec(leaf: Any, name: str, padded: int, unpadded: int) -> tuple[Any, .
     if isinstance(leaf, list):
         kind, dtype, rows, device = "list", None, (), None
     elif isinstance(leaf, torch.Tensor):
-        if leaf.layout != torch.strided or leaf.is_quantized or leaf.is_nested:
-            what = "quantized" if leaf.is_quantized else "nested" if leaf.is_nested else str(leaf.layout)
-            raise _Problem(
-                TypeError,
-                f"values{name}: got a {what} tensor; allowed: a dense (torch.strided) tensor (convert it first, "
-                "e.g. with .to_dense() or .dequantize())",
-            )
+        unusual = unusual_tensor(leaf, f"values{name}", in_place=False)
+        if unusual is not None:
+            raise _Problem(TypeError, str(unusual))
         kind, dtype, rows, device = "tensor", leaf.dtype, tuple(leaf.shape[1:]), leaf.device.type
     elif isinstance(leaf, np.ndarray):
         kind = "object array" if leaf.dtype.hasobject else "array"

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import hashlib
 import pickle
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import numpy as np
+
 from distutils_ml.backends.base import Backend, check_backend
 from distutils_ml.collectives import _check_root
 
-__all__ = ["allgather_object", "bcast_object", "run_on_root"]
+__all__ = ["allgather_object", "bcast_object", "digest", "run_on_root"]
 
 T = TypeVar("T")
 _OK, _FAILED = b"\x00", b"\x01"
@@ -40,6 +43,11 @@ def exclusive(backend: Backend, caller: str) -> Iterator[None]:
         yield
     finally:
         backend._leave()
+
+
+def digest(text: str) -> int:
+    """A signed 64-bit digest of ``text``, the same in every process (unlike ``hash``), to compare across ranks."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def _pack(produce: Callable[[], Any]) -> tuple[bytes, BaseException | None]:
@@ -69,7 +77,14 @@ def _unpack(data: bytes) -> tuple[bool, Any]:
 
 
 def _agree(backend: Backend, problem: str | None, caller: str) -> None:
-    """Raise on every rank if any rank had a ``problem`` reading what it received."""
+    """Raise on every rank if any rank had a ``problem`` reading what it received.
+
+    One allgather of a byte per rank; the problems' texts travel only when there is one.
+    """
+    flags = np.empty((backend.size, 1), dtype=np.int8)
+    backend._allgather(np.array([problem is not None], dtype=np.int8), flags)
+    if not flags.any():
+        return
     problems = [pickle.loads(p) for p in backend._allgather_bytes(pickle.dumps(problem))]
     bad = {r: p for r, p in enumerate(problems) if p is not None}
     if bad:

@@ -25,7 +25,6 @@ difference; reductions that reuse the plan pay nothing for the check.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import threading
 import warnings
 import weakref
@@ -38,7 +37,7 @@ import torch
 
 from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
 from distutils_ml.collectives import allgather, allreduce
-from distutils_ml.objects import allgather_object
+from distutils_ml.objects import allgather_object, digest
 
 __all__ = ["DistributedOptimizer", "allreduce_gradients"]
 
@@ -117,7 +116,7 @@ class _GradientReducer:
     def _agree(self, backend: Backend, params: list[torch.Tensor], labels: Callable[[], list[str]]) -> None:
         """Raise ``ValueError`` on every rank unless every rank has the same configuration."""
         settings = self._settings(params)
-        mine = np.array([_digest(s) for s in settings], dtype=np.int64)
+        mine = np.array([digest(s) for s in settings], dtype=np.int64)
         every = np.empty((backend.size, mine.size), dtype=np.int64)
         allgather(backend, mine, every)
         if (every == every[0]).all():
@@ -197,11 +196,6 @@ class _GradientReducer:
                 allreduce(backend, g, self.op)
             else:
                 g.copy_(allreduce(backend, g.contiguous(), self.op))
-
-
-def _digest(text: str) -> int:
-    """A 64-bit digest of ``text`` that is the same in every process (unlike ``hash``)."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def _describe(params: list[torch.Tensor], labels: list[str]) -> list[tuple[str, str]]:

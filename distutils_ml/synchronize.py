@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from distutils_ml.arrays import OnDevice, cuda_tensor, dtype_name, result_view
+from distutils_ml.arrays import TORCH_DTYPE, OnDevice, cuda_tensor, dtype_name, result_view, unusual_tensor
 from distutils_ml.backends.base import Backend, check_backend
 from distutils_ml.collectives import _check_root, allgather, bcast
 from distutils_ml.objects import allgather_object, exclusive, run_on_root
@@ -295,12 +295,9 @@ def array_spec(leaf: torch.Tensor | np.ndarray, path: str) -> Spec:
             raise TypeError(
                 f"{path}: an uninitialized parameter or buffer (of a lazy module); run one forward pass first"
             )
-        if leaf.is_nested or leaf.layout is not torch.strided:
-            layout = "nested" if leaf.is_nested else str(leaf.layout).removeprefix("torch.")
-            raise TypeError(
-                f"{path}: a {layout} tensor; allowed: dense (strided) tensors. "
-                "Convert it (e.g. .to_dense()) or keep it out of the synchronized value"
-            )
+        unusual = unusual_tensor(leaf, path, in_place=False)
+        if unusual is not None:
+            raise unusual
         if leaf.device.type not in _DEVICE_TYPES:
             raise TypeError(f"{path}: a tensor on device '{leaf.device}'; allowed: CPU or CUDA tensors")
         device = leaf.device.type
@@ -520,25 +517,11 @@ def _in_place_buffer(leaf: Any) -> Any:
     return view
 
 
-_TORCH_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bool": torch.bool,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "uint8": torch.uint8,
-}
-
-
 def _flat_buffer(total: int, dtype: str, first: Any) -> Any:
     """A staging buffer: NumPy for CPU dtypes NumPy has, else a torch tensor on ``first``'s device."""
     if isinstance(first, np.ndarray) or (first.device.type == "cpu" and dtype != "bfloat16"):
         return np.empty(total, dtype=np.dtype(dtype))
-    return torch.empty(total, dtype=_TORCH_DTYPES[dtype], device=first.device)
+    return torch.empty(total, dtype=TORCH_DTYPE[dtype], device=first.device)
 
 
 def _segment(part: Any, leaf: Any) -> Any:
