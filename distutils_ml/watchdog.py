@@ -20,8 +20,11 @@ what, and where. The comparison is itself watched for stalls.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ctypes
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -37,9 +40,30 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT = 300.0
+#: Seconds a rank gives ``MPI_Abort`` to end it before it ends itself (an abort that cannot
+#: reach a lost node can block forever, and the rank must still leave with a failure status).
+ABORT_GRACE = 5
 TIMEOUT_ENV = "DML_TIMEOUT"
 DEBUG_ENV = "DML_DEBUG"
 _ALLOWED_TIMEOUT = "a finite number of seconds >= 0 (0 turns stall detection off)"
+
+
+def abort_job(MPI: Any, code: int = 1) -> None:
+    """``MPI_Abort`` the job; if that has not ended this process within ``ABORT_GRACE`` s, end it anyway.
+
+    On a cut network link the abort can block forever (the launcher's daemon cannot reach a
+    lost node). mpi4py holds the GIL inside ``Abort``, so no Python thread could act: the
+    fallback is the kernel's ``alarm`` with SIGALRM's default action (the process ends, killed
+    by SIGALRM: a failure status for any launcher). ``ABORT_GRACE = 0`` turns it off.
+    """
+    if ABORT_GRACE > 0 and hasattr(signal, "SIGALRM"):
+        with contextlib.suppress(OSError, AttributeError):  # no C library to call: the abort alone
+            libc = ctypes.CDLL(None)
+            libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+            libc.signal.restype = ctypes.c_void_p
+            libc.signal(signal.SIGALRM, None)  # SIG_DFL, process-wide, callable from any thread
+            libc.alarm(ABORT_GRACE)
+    MPI.COMM_WORLD.Abort(code)
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -251,10 +275,12 @@ class MPIWatchdog:
         call = _call_text(record)
         replies = self._collect(seq)
         missing, different, lines = [], [], []
+        hosts = getattr(self.backend, "hosts", None)  # each rank's host: MPIBackend knows them
         for r in range(self.backend.size):
+            on = f" [on {hosts[r]}]" if hosts else ""
             if r not in replies:
                 missing.append(r)
-                lines.append(f"  rank {r}: no answer (stuck outside Python, exited, or dead)")
+                lines.append(f"  rank {r}: no answer (stuck outside Python, exited, dead, or its node is lost){on}")
                 continue
             r_seq, what, theirs, last = replies[r]
             note = ""
@@ -269,7 +295,7 @@ class MPIWatchdog:
                 note = " (done with this one)"
             if not what.startswith("in "):
                 note = f" (last started #{r_seq}: {last or 'none'})" + note
-            lines.append(f"  rank {r}: {what}{note}")
+            lines.append(f"  rank {r}: {what}{note}{on}")
         if self.backend._inflight is not record:
             return  # the collective ended while the answers came in
         rank = self.backend.rank
@@ -281,7 +307,8 @@ class MPIWatchdog:
             return
         why = []
         if missing:
-            why.append(f"rank(s) {missing} have not arrived")
+            on = f" (on {', '.join(dict.fromkeys(hosts[r] for r in missing))})" if hosts else ""
+            why.append(f"rank(s) {missing} have not arrived{on}")
         if different:
             why.append(f"rank(s) {different} called a different collective")
         msg = (
@@ -291,4 +318,4 @@ class MPIWatchdog:
         )
         sys.stderr.write(msg)
         sys.stderr.flush()
-        self.backend._MPI.COMM_WORLD.Abort(1)
+        abort_job(self.backend._MPI)

@@ -11,6 +11,9 @@ Modes that must pass (rank 0 ends with ``CORE JOB PASSED``):
 - ``big``: collectives past 2**31 elements, an object over 2 GiB, the synchronize of a model of more
   than 2**31 elements and a checkpoint over 2 GiB (2 ranks).
 
+``options`` (alone; launched with different ``DML_*`` variables per rank): making the backend
+raises ValueError on every rank, naming the options and the ranks; each rank prints ``REFUSED``.
+
 Modes that must end the job (each alone): ``debug_stall`` (debug mode, the last rank
 never joins: the stall is reported), ``other_call`` (rank 0 finishes a different
 collective with the same number, then stops communicating), ``hook_replaced`` (another
@@ -175,8 +178,29 @@ def hook_replaced(backend: dml.Backend) -> None:
     dml.allreduce(backend, np.ones(4), dml.SUM)  # the others wait here until the abort
 
 
+def options() -> None:
+    """Ranks started with different DML_* variables: initialize raises on every rank, before any collective."""
+    rank = MPI.COMM_WORLD.Get_rank()
+    try:
+        dml.initialize(dml.MPIBackend)
+    except ValueError as e:
+        print(f"[rank {rank}] REFUSED: {e}", flush=True)
+        # The same through keyword options: segment sizes that differ per rank.
+        try:
+            dml.MPIBackend(segment_bytes=1024 * (rank + 1), timeout=0, debug=False)
+        except ValueError as again:
+            print(f"[rank {rank}] REFUSED AGAIN: {again}", flush=True)
+        return
+    backend = dml.get_distributed_backend(dml.MPIBackend)
+    print(f"[rank {rank}] ACCEPTED", flush=True)
+    dml.allreduce(backend, np.ones(3), dml.SUM)  # debug on some ranks only: would hang here
+
+
 def main(modes: list[str]) -> None:
     faulthandler.register(signal.SIGUSR1)  # the test runner asks for stacks before killing a hung job
+    if modes == ["options"]:
+        options()
+        return
     dml.initialize(dml.MPIBackend)
     backend = dml.get_distributed_backend(dml.MPIBackend)
     for mode in modes:

@@ -1,11 +1,14 @@
 """The MPI job of tests/test_faults.py: a training loop in which rank 1 fails.
 
-Run: ``mpiexec -n 2 python tests/fault_job.py MODE`` where MODE is
+Run: ``mpiexec -n N python tests/fault_job.py MODE [VICTIM]`` (the failing rank, default 1) where MODE is
 
 - ``sigkill``: rank 1 kills itself with SIGKILL after 3 steps; rank 0 goes on into the
   next step's gradient allreduce, which can never complete;
 - ``sys-exit``: rank 1 calls ``sys.exit(3)`` after 3 steps (no exception hook sees it; the
   ranks run under ``python -m mpi4py`` as the launcher starts them, which aborts the job);
+- ``raise``: rank 1 raises RuntimeError after 3 steps;
+- ``cut``: nothing fails here: rank 1 prints ``CUT ME`` after 3 steps and every rank goes on
+  slowly (0.2 s a step), so the test can pull the victim's cable meanwhile;
 - ``worker-error``: a DataLoader worker (``num_workers=1``) raises in ``__getitem__``
   at a sample that only rank 1 holds; rank 0 waits in the allreduce of that step.
 
@@ -47,13 +50,17 @@ class CorruptAt(torch.utils.data.Dataset):
         return torch.full((8,), float(i) / 64), torch.tensor([float(i % 3)])
 
 
+def _raise() -> None:
+    raise RuntimeError("deliberate failure in training")
+
+
 def step(model: torch.nn.Module, opt: dml.DistributedOptimizer, xb: torch.Tensor, yb: torch.Tensor) -> None:
     opt.zero_grad()
     torch.nn.functional.mse_loss(model(xb), yb).backward()
     opt.step()
 
 
-def main(mode: str) -> None:
+def main(mode: str, victim: str = "1") -> None:
     faulthandler.register(signal.SIGUSR1)  # the test runner asks for stacks before killing a hung job
     dml.initialize(dml.MPIBackend)
     backend = dml.get_distributed_backend(dml.MPIBackend)
@@ -61,12 +68,19 @@ def main(mode: str) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
     opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1))
-    faults = {"sigkill": lambda: os.kill(os.getpid(), signal.SIGKILL), "sys-exit": lambda: sys.exit(3)}
+    faults = {
+        "sigkill": lambda: os.kill(os.getpid(), signal.SIGKILL),
+        "sys-exit": lambda: sys.exit(3),
+        "raise": _raise,
+        "cut": lambda: print("CUT ME", flush=True),
+    }
     if mode in faults:
         for k in range(STEPS):
             step(model, opt, torch.randn(4, 8), torch.randn(4, 1))
             dml.print(backend, f"step {k} done")
-            if rank == 1 and k + 1 == KILL_AFTER:
+            if mode == "cut":
+                time.sleep(0.2)
+            if rank == int(victim) and k + 1 == KILL_AFTER:
                 print(f"FAULT AT {time.time():.3f}", flush=True)
                 faults[mode]()
     elif mode == "worker-error":
@@ -76,7 +90,7 @@ def main(mode: str) -> None:
             step(model, opt, xb, yb)
             dml.print(backend, f"step {k} done")
     else:
-        raise SystemExit(f"unknown mode {mode!r}; allowed: sigkill, sys-exit, worker-error")
+        raise SystemExit(f"unknown mode {mode!r}; allowed: {', '.join(faults)}, worker-error")
     dml.print(backend, "NOT ABORTED")
 
 

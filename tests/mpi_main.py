@@ -160,6 +160,21 @@ def ddp_check(backend: dml.Backend, steps: int = 5) -> float:
         return ddp_body(backend, keep, steps)
 
 
+def topology_check(world: dml.Backend) -> dict[str, Any]:
+    """node_local_rank / node_size agree with the hosts the ranks run on (what GPU placement relies on)."""
+    rank = dml.local_rank(world)
+    host = MPI.Get_processor_name()
+    every = world.comm.allgather((host, world.node_local_rank, world.node_size))
+    hosts = [h for h, _, _ in every]
+    for r, (h, local, node_size) in enumerate(every):
+        peers = [q for q in range(world.size) if hosts[q] == h]
+        assert node_size == len(peers), (r, every)
+        assert local == peers.index(r), (r, every)  # the ranks of a node, numbered by world rank
+    if rank == 0:
+        print("TOPOLOGY " + " ".join(f"{r}:{h}:{local}/{n}" for r, (h, local, n) in enumerate(every)), flush=True)
+    return {"host": host, "node_local_rank": world.node_local_rank, "node_size": world.node_size}
+
+
 def run_checks(world: dml.Backend, checks: list[str], banner: str, run_check: Callable[[str], Any]) -> None:
     """``run_check(check)`` for each check, on every rank, with its time and result; rank 0 ends with ``banner``."""
     for check in checks:
@@ -238,9 +253,11 @@ def main(checks: list[str]) -> None:
             expected = sum(r for r in range(world.size) if r % 2 == rank % 2)
             assert buf[0] == expected, (buf, expected)
             assert dml.total_workers(half) == sub.Get_size()
-            detail = {"sub_size": half.size, "node_local_rank": world.node_local_rank, "node_size": world.node_size}
-            assert world.node_size == world.size  # one machine
-            return detail
+            return {"sub_size": half.size}
+        elif check == "topology":
+            return topology_check(world)
+        elif check == "gradients":
+            return hypothesis_check(world, train_bodies.gradients_body, train_bodies.train_cases(), 10)
         elif check == "objects":
             got = world._bcast_object({"rank": rank, "x": [1, "two", None, 3.5]} if rank == 1 else None, 1)
             assert got == {"rank": 1, "x": [1, "two", None, 3.5]}, got

@@ -45,17 +45,31 @@ class Job:
     seconds: float
 
 
-def run_mpi(n: int, args: list[str], timeout: float = 240, runner: tuple[str, ...] = ()) -> Job:
+def run_mpi(
+    n: int,
+    args: list[str],
+    timeout: float = 240,
+    runner: tuple[str, ...] = (),
+    envs: list[dict[str, str]] | None = None,
+) -> Job:
     """Run ``mpiexec -n n python [runner] args...``; a hang becomes a test failure after ``timeout`` s.
 
-    ``runner=("-m", "mpi4py")`` runs the ranks as ``distutils-ml launch`` does.
+    ``runner=("-m", "mpi4py")`` runs the ranks as ``distutils-ml launch`` does. ``envs``: one
+    dict of variables per rank, each rank started as its own app (``-n 1 env K=V python ... : ...``).
     """
     exe = mpiexec()
     assert exe is not None
-    cmd = [exe, "-n", str(n)]
+    cmd = [exe]
     if n > (os.cpu_count() or 1):
         cmd.append("--oversubscribe")
-    cmd += [sys.executable, *runner, *args]
+    program = [sys.executable, *runner, *args]
+    if envs is None:
+        cmd += ["-n", str(n), *program]
+    else:
+        assert len(envs) == n, (n, envs)
+        # Through env(1): Open MPI's -x applies to every app of the command line, not to its own.
+        apps = [["-n", "1", "env", *(f"{k}={v}" for k, v in env.items()), *program] for env in envs]
+        cmd += [part for i, app in enumerate(apps) for part in ([":"] if i else []) + app]
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=TESTS.parent

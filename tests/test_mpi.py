@@ -46,3 +46,28 @@ def test_stall_is_named_and_ends_the_job() -> None:
     assert "in allreduce(shape=(4,), dtype=float32, op=dml.SUM) #2; rank(s) [2] have not arrived" in job.output
     assert "rank 2: not in a collective" in job.output
     assert "not aborted" not in job.output
+
+
+@pytest.mark.parametrize(
+    ("envs", "names"),
+    [
+        # DML_TIMEOUT=20 reached the first node only (Open MPI does not forward the environment to others).
+        ([{"DML_TIMEOUT": "20"}, {"DML_TIMEOUT": "20"}, {}], ["timeout"]),
+        # Debug mode on one rank would hang its first collective; different segments would pass silently.
+        ([{}, {"DML_DEBUG": "1", "DML_MPI_SEGMENT_BYTES": "65536"}, {}], ["debug", "segment_bytes"]),
+    ],
+)
+def test_ranks_with_different_options_are_refused_on_every_rank(envs: list[dict[str, str]], names: list[str]) -> None:
+    job = run_mpi(3, ["tests/core_job.py", "options"], timeout=90, envs=envs)
+    assert "ACCEPTED" not in job.output, job.output[-8000:]
+    for rank in range(3):
+        refused = [line for line in job.output.splitlines() if line.startswith(f"[rank {rank}] REFUSED: ")]
+        assert len(refused) == 1, job.output[-8000:]
+        for name in names:
+            assert f"{name} (" in refused[0], refused[0]
+        assert "rank(s) [" in refused[0] and "distutils-ml launch" in refused[0], refused[0]
+        assert f"[rank {rank}] REFUSED AGAIN: " in job.output and "segment_bytes (" in job.output, job.output[-8000:]
+    if names == ["timeout"]:
+        assert "timeout (timeout= or DML_TIMEOUT): 20.0 on rank(s) [0, 1] on " in job.output, job.output[-4000:]
+        assert "; 300.0 on rank(s) [2] on " in job.output, job.output[-4000:]
+    assert job.returncode == 0, job.output[-8000:]

@@ -192,15 +192,34 @@ def _data(case: TrainCase, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 3, generator=g, dtype=torch.float64), torch.randn(n, 2, generator=g, dtype=torch.float64)
 
 
-def train_body(backend: dml.Backend, case: TrainCase) -> list[float]:
-    """k steps on W ranks (each its shard, mean loss) == k steps of one model on the global batch."""
+class AllreduceThenStep:
+    """A plain optimizer whose gradients ``allreduce_gradients`` averages before each step."""
+
+    def __init__(self, backend: dml.Backend, model: torch.nn.Module, opt: torch.optim.Optimizer, bucket_bytes: int):
+        self.backend, self.model, self.opt, self.bucket_bytes = backend, model, opt, bucket_bytes
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    def step(self) -> None:
+        dml.allreduce_gradients(self.backend, self.model, bucket_bytes=self.bucket_bytes)
+        self.opt.step()
+
+
+def train_body(backend: dml.Backend, case: TrainCase, wrapped: bool = True) -> list[float]:
+    """k steps on W ranks (each its shard, mean loss) == k steps of one model on the global batch.
+
+    ``wrapped``: through DistributedOptimizer; else allreduce_gradients before a plain optimizer's step.
+    """
     rank, size = dml.local_rank(backend), dml.total_workers(backend)
     x, y = _data(case, size)
     model = make_model(case.seed if rank == 0 else case.seed + 1, bn=False).double()
     model = dml.synchronize(backend, model)
-    opt = dml.DistributedOptimizer(
-        backend, _optimizer(case.optimizer, model.parameters()), bucket_bytes=case.bucket_bytes
-    )
+    plain = _optimizer(case.optimizer, model.parameters())
+    if wrapped:
+        opt: Any = dml.DistributedOptimizer(backend, plain, bucket_bytes=case.bucket_bytes)
+    else:
+        opt = AllreduceThenStep(backend, model, plain, case.bucket_bytes)
     ref = make_model(case.seed, bn=False).double()
     ref_opt = _optimizer(case.optimizer, ref.parameters())
     gb = case.batch * size
@@ -229,6 +248,11 @@ def replicas_identical(backend: dml.Backend, values: list[float]) -> bool:
 def train_identical_body(backend: dml.Backend, case: TrainCase) -> None:
     """train_body, and the replicas end bitwise identical."""
     replicas_identical(backend, train_body(backend, case))
+
+
+def gradients_body(backend: dml.Backend, case: TrainCase) -> None:
+    """train_identical_body with allreduce_gradients and a plain optimizer instead of DistributedOptimizer."""
+    replicas_identical(backend, train_body(backend, case, wrapped=False))
 
 
 class TwoBranch(torch.nn.Module):

@@ -32,6 +32,7 @@ from distutils_ml.backends.base import Backend, ReduceOp
 from distutils_ml.watchdog import (
     CollectiveMismatchError,
     MPIWatchdog,
+    abort_job,
     call_site,
     describe,
     resolve_debug,
@@ -132,6 +133,11 @@ class MPIBackend(Backend):
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self._rank = self.comm.Get_rank()
         self._size = self.comm.Get_size()
+        if gpu_aware is None:
+            gpu_aware = os.environ.get(_GPU_AWARE_ENV, "").lower() in ("1", "true", "yes", "on")
+        options = dict(timeout=timeout, debug=self.debug, segment_bytes=segment_bytes, gpu_aware=bool(gpu_aware))
+        #: Each rank's host (``MPI.Get_processor_name()``), for messages that name ranks.
+        self.hosts: list[str] = _agree_on_options(self.comm, MPI.Get_processor_name(), options)
         self.segment_bytes = segment_bytes
         self._piece_bytes = min(segment_bytes or MAX_PIECE_BYTES, MAX_PIECE_BYTES)
         # The rank among processes of this node (shared memory), for GPU placement.
@@ -147,8 +153,6 @@ class MPIBackend(Backend):
             ReduceOp.AVG: MPI.SUM,
         }
         self._in_place = MPI.IN_PLACE
-        if gpu_aware is None:
-            gpu_aware = os.environ.get(_GPU_AWARE_ENV, "").lower() in ("1", "true", "yes", "on")
         self.takes_device_buffers = bool(gpu_aware)
         self._seq = 0  # collectives started on this backend: the same count on every rank
         self._inflight: tuple | None = None  # (seq, kind, shape, dtype, op, root, start) while one runs
@@ -342,8 +346,8 @@ class MPIBackend(Backend):
         prefix = f"[rank {self._rank}] distutils_ml:"
         sys.stderr.write(f"{prefix} {message}\n{prefix} aborting the job\n")
         sys.stderr.flush()
-        self._MPI.COMM_WORLD.Abort(1)
-        raise SystemExit(1)  # not reached: Abort ends the process
+        abort_job(self._MPI)
+        raise SystemExit(1)  # not reached: abort_job ends the process
 
     def _device_collective(self, kind: str, send: Any, recv: Any, op: ReduceOp | None, root: int) -> None:
         """CUDA buffers handed to a CUDA-aware MPI, after the current stream is synchronized."""
@@ -384,6 +388,49 @@ class MPIBackend(Backend):
             recv.div_(self._size)
 
 
+#: Where each option comes from, for the message when ranks disagree.
+_OPTION_SOURCES = {
+    "timeout": "timeout= or DML_TIMEOUT",
+    "debug": "debug= or DML_DEBUG",
+    "segment_bytes": f"segment_bytes= or {_SEGMENT_ENV}",
+    "gpu_aware": f"gpu_aware= or {_GPU_AWARE_ENV}",
+}
+
+
+def _agree_on_options(comm: Any, host: str, options: dict[str, Any]) -> list[str]:
+    """Every rank's host; raises ValueError on every rank when the ranks' ``options`` differ.
+
+    One object allgather when the backend is made: options that differ per node (an
+    environment variable that reached only some nodes) would otherwise hang the job (debug
+    mode on some ranks only) or change it silently (segment sizes, timeouts).
+    """
+    every = comm.allgather((host, options))
+    hosts = [h for h, _ in every]
+    problems = []
+    for name, source in _OPTION_SOURCES.items():
+        groups: dict[str, list[int]] = {}
+        for r, (_, theirs) in enumerate(every):
+            groups.setdefault(repr(theirs[name]), []).append(r)
+        if len(groups) > 1:
+            values = "; ".join(f"{value} on {ranks_on_hosts(ranks, hosts)}" for value, ranks in groups.items())
+            problems.append(f"{name} ({source}): {values}")
+    if problems:
+        raise ValueError(
+            "MPIBackend: the ranks were given different options, which must be the same on every rank: "
+            + " | ".join(problems)
+            + ". Pass the same options to initialize() everywhere, or set DML_* variables in the launching "
+            "shell and start the job with distutils-ml launch, which forwards them to every node "
+            "(with a plain mpiexec: -x NAME for each)."
+        )
+    return hosts
+
+
+def ranks_on_hosts(ranks: list[int], hosts: list[str]) -> str:
+    """``ranks`` with their hosts, e.g. ``rank(s) [2, 3] on node-b``; ``[0, 2] on node-a, node-c``."""
+    names = list(dict.fromkeys(hosts[r] for r in ranks))
+    return f"rank(s) {ranks} on {', '.join(names)}"
+
+
 _hook_lock = threading.Lock()
 _hook_installed = False
 
@@ -397,7 +444,8 @@ def _report_and_abort(  # noqa: PLR0917 - private
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     lines = "".join(f"[rank {rank}] {line}\n" for line in text.rstrip("\n").split("\n"))
     try:
-        head = f"[rank {rank}] distutils_ml: uncaught exception on rank {rank} of {size}{note}; aborting the MPI job"
+        where = f"rank {rank} of {size} (on {MPI.Get_processor_name()})"
+        head = f"[rank {rank}] distutils_ml: uncaught exception on {where}{note}; aborting the MPI job"
         sys.stderr.write(f"{head}\n{lines}")
         sys.stderr.flush()
         sys.stdout.flush()
@@ -406,7 +454,7 @@ def _report_and_abort(  # noqa: PLR0917 - private
             if then is not None:
                 then(exc_type, exc, tb)
         finally:
-            MPI.COMM_WORLD.Abort(1)
+            abort_job(MPI)
 
 
 def install_fail_fast(MPI: Any) -> None:

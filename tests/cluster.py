@@ -1,0 +1,250 @@
+"""A real multi-node cluster on one Linux machine: network namespaces as nodes, Open MPI over TCP between them.
+
+Each node is a network namespace with its own hostname (a UTS namespace entered by every
+command run "on" it), its own address in a private /24 and an ``eth0`` plugged into a bridge
+that lives in a switch namespace of its own: nothing is added to the machine's own network,
+and traffic stays on the links made here. Open MPI's ``mpiexec`` runs on the first node and
+starts its daemons on the others through an rsh agent (``plm_ssh_agent``) that does what ssh
+would do: enter the node and run the command in a *clean* environment, so variables of the
+launching shell do not reach remote ranks unless forwarded (``-x``), as on a real cluster.
+
+Needs root, ``ip`` (iproute2) and ``unshare`` (util-linux). As a recipe, to rehearse a job::
+
+    sudo python tests/cluster.py --nodes 2 --slots 2 -- \\
+        distutils-ml launch -n 4 --hostfile {hostfile} --allow-run-as-root train.py
+
+brings the nodes up, runs the command on the first node (``{hostfile}`` and ``{agent}`` are
+replaced by their paths), and removes every namespace and file it made, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+#: Hostnames of the nodes, in order.
+HOSTNAMES = tuple(f"node-{chr(ord('a') + i)}" for i in range(26))
+_NETNS_ETC = Path("/etc/netns")  # ip netns exec bind-mounts /etc/netns/NS/hosts over /etc/hosts
+_PREFIX = "dmlc"
+
+
+def unavailable() -> str | None:
+    """Why a cluster cannot be made here (one line), or None when it can."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "the cluster tests need root (network namespaces); run them as root or in CI"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"the cluster tests need {tool!r} (iproute2, util-linux)"
+    probe = f"{_PREFIX}probe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)
+    if made.returncode != 0:
+        return f"the cluster tests need 'ip netns add': {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
+    return None
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+class Cluster:
+    """N nodes joined by one bridge; ``up()`` makes them, ``down()`` removes them (also as a context manager).
+
+    Args:
+        nodes: number of nodes (namespaces), at most 26.
+        slots: MPI slots per node in the hostfile.
+        name: prefix of the namespaces' names (default ``dmlc<pid>``: unique per process).
+        subnet: the first three octets of the private /24 the nodes' addresses are taken from.
+
+    Attributes:
+        hosts: the nodes' hostnames (``node-a``, ``node-b``, ...).
+        addresses: their addresses, in the same order.
+        hostfile: path of an Open MPI hostfile listing every node with its slots.
+        agent: path of the rsh agent (an executable) that runs a command on a node.
+    """
+
+    def __init__(self, nodes: int, slots: int = 1, *, name: str | None = None, subnet: str = "10.213.77") -> None:
+        if not 1 <= nodes <= len(HOSTNAMES):
+            raise ValueError(f"nodes: got {nodes}; allowed: 1..{len(HOSTNAMES)}")
+        self.nodes, self.slots = nodes, slots
+        self.name = name or f"{_PREFIX}{os.getpid()}"
+        self.hosts = list(HOSTNAMES[:nodes])
+        self.addresses = [f"{subnet}.{i + 1}" for i in range(nodes)]
+        self.namespaces = [f"{self.name}-{host}" for host in self.hosts]
+        self.switch = f"{self.name}-sw"
+        self._dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-"))
+        self.hostfile = self._dir / "hostfile"
+        self.agent = self._dir / "agent"
+
+    # -- life cycle -------------------------------------------------------------------
+
+    def __enter__(self) -> Cluster:
+        self.up()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    def up(self) -> None:
+        """Make the switch, the nodes, their links, hosts files, the hostfile and the agent."""
+        try:
+            _ip("netns", "add", self.switch)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            hosts = "127.0.0.1 localhost\n" + "".join(
+                f"{a} {h}\n" for a, h in zip(self.addresses, self.hosts, strict=True)
+            )
+            for i, (ns, address) in enumerate(zip(self.namespaces, self.addresses, strict=True)):
+                _ip("netns", "add", ns)
+                _ip("-n", ns, "link", "set", "lo", "up")
+                port = self.port(i)
+                _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
+                _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
+                _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
+                _ip("-n", ns, "link", "set", "eth0", "up")
+                etc = _NETNS_ETC / ns
+                etc.mkdir(parents=True, exist_ok=True)
+                (etc / "hosts").write_text(hosts)
+            self.hostfile.write_text("".join(f"{h} slots={self.slots}\n" for h in self.hosts))
+            self._write_agent()
+        except BaseException:
+            self.down()
+            raise
+
+    def down(self) -> None:
+        """Kill every process on the nodes and remove the namespaces and files made by ``up`` (by name)."""
+        for ns in [*self.namespaces, self.switch]:
+            pids = _ip("netns", "pids", ns, check=False).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            _ip("netns", "del", ns, check=False)
+            shutil.rmtree(_NETNS_ETC / ns, ignore_errors=True)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # -- use --------------------------------------------------------------------------
+
+    def port(self, node: int) -> str:
+        """The switch's port (a veth in the switch namespace) that node ``node`` is plugged into."""
+        return f"p{node}"
+
+    def cut(self, node: int) -> None:
+        """Pull node ``node``'s cable: its switch port goes down (nothing reaches it or leaves it)."""
+        _ip("-n", self.switch, "link", "set", self.port(node), "down")
+
+    def mend(self, node: int) -> None:
+        """Plug node ``node``'s cable back in."""
+        _ip("-n", self.switch, "link", "set", self.port(node), "up")
+
+    def command(self, argv: Sequence[str], node: int = 0) -> list[str]:
+        """``argv`` as run on node ``node``: in its network namespace, under its hostname."""
+        return ["ip", "netns", "exec", self.namespaces[node], *_on_host(self.hosts[node], argv)]
+
+    def mpi_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """Environment for an mpiexec on the first node: the agent, root allowed, TCP only, yielding ranks."""
+        env = dict(os.environ if base is None else base)
+        env.update(
+            PRTE_MCA_plm_ssh_agent=str(self.agent),
+            OMPI_ALLOW_RUN_AS_ROOT="1",
+            OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+            OMPI_MCA_btl="^ofi",
+            # Oversubscribed ranks busy-poll; yielding keeps them from starving each other on few cores.
+            OMPI_MCA_mpi_yield_when_idle="1",
+        )
+        return env
+
+    def popen(
+        self, argv: Sequence[str], node: int = 0, env: Mapping[str, str] | None = None, **kw: object
+    ) -> subprocess.Popen[str]:
+        """Start ``argv`` on node ``node`` with ``mpi_env(env)``; stdout and stderr together, as text."""
+        return subprocess.Popen(  # type: ignore[call-overload]
+            self.command(argv, node),
+            env=self.mpi_env(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            **kw,
+        )
+
+    def _write_agent(self) -> None:
+        """The rsh agent: ``agent HOST COMMAND...`` runs COMMAND on HOST as ssh would (a clean environment)."""
+        table = " ".join(f"{h}) ns={ns} ;;" for h, ns in zip(self.hosts, self.namespaces, strict=True))
+        path = os.pathsep.join(
+            [str(Path(sys.executable).parent), "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
+        )
+        self.agent.write_text(
+            "#!/bin/sh\n"
+            "# Open MPI's rsh agent for this cluster: run the command on the node, as ssh would.\n"
+            "host=$1; shift\n"
+            f'case "$host" in {table} *) echo "agent: unknown host $host" >&2; exit 255 ;; esac\n'
+            # ssh gives a login environment, not the caller's: only what a user's shell profile would set.
+            f"exec env -i PATH={shlex.quote(path)} HOME=/root LANG=C.UTF-8 "
+            "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
+            'ip netns exec "$ns" unshare --uts sh -c \'hostname "$0" && exec sh -c "$1"\' "$host" "$*"\n'
+        )
+        self.agent.chmod(0o755)
+
+
+def _on_host(hostname: str, argv: Sequence[str]) -> list[str]:
+    """``argv`` in a UTS namespace of its own whose hostname is ``hostname``."""
+    return ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname, *argv]
+
+
+def remove_stale(prefix: str = _PREFIX) -> list[str]:
+    """Remove namespaces named ``<prefix><pid>-...`` whose process is gone (left by a killed run); their names."""
+    removed = []
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        ns = line.split()[0] if line.split() else ""
+        owner = ns[len(prefix) :].split("-", 1)[0]
+        if ns.startswith(prefix) and owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            _ip("netns", "del", ns, check=False)
+            shutil.rmtree(_NETNS_ETC / ns, ignore_errors=True)
+            removed.append(ns)
+    return removed
+
+
+@contextlib.contextmanager
+def cluster(nodes: int, slots: int = 1, **kw: object) -> Iterator[Cluster]:
+    """``with cluster(2, slots=2) as c: ...``: a Cluster that is up inside the block and gone after it."""
+    remove_stale()
+    with Cluster(nodes, slots, **kw) as c:  # type: ignore[arg-type]
+        yield c
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python tests/cluster.py --nodes N --slots K -- command ...``: run a command on a fresh cluster's first node."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--slots", type=int, default=1)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give a command to run on the first node, after --")
+    reason = unavailable()
+    if reason:
+        print(f"cluster: {reason}", file=sys.stderr)
+        return 2
+    with cluster(args.nodes, args.slots) as c:
+        argv = [part.format(hostfile=c.hostfile, agent=c.agent) for part in command]
+        nodes = ", ".join(f"{h} {a}" for h, a in zip(c.hosts, c.addresses, strict=True))
+        print(f"cluster: {nodes}; running on {c.hosts[0]}: {shlex.join(argv)}", file=sys.stderr)
+        start = time.monotonic()
+        proc = subprocess.run(c.command(argv), env=c.mpi_env(), check=False)
+        print(f"cluster: exit status {proc.returncode} after {time.monotonic() - start:.1f} s", file=sys.stderr)
+        return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
