@@ -129,12 +129,12 @@ _VALUE = _Takes("VALUE")
 # list of src/mca/schizo/ompi/schizo_ompi.c, read by OpenPMIx's src/util/pmix_cmd_line.c, which
 # takes two values after every option whose name ends in "mca" and after --prepend-env and
 # --append-env. Hydra's is HYD_mpiexec_match_table in MPICH's src/pm/hydra/mpiexec/options.c (the
-# same from MPICH 3.4 to 4.3); its -env/-genv take NAME VALUE or NAME=VALUE. Both mpiexecs: host,
+# same from MPICH 3.4 to 5.0); its -env/-genv take NAME VALUE or NAME=VALUE. Both mpiexecs: host,
 # hostfile, machinefile, wdir, memory-alloc-kinds, bind-to, map-by. -n, --n, -np, --np are the launcher's.
 _OPTION_VALUES: dict[str, _Takes] = {
     # Open MPI: two values.
     **dict.fromkeys(_MCA_OPTIONS, _Takes("NAME VALUE")),
-    "amca": _Takes("FILE VALUE"),  # ends in "mca", so PMIx takes two (FILE and the next); --tune FILE works
+    "amca": _Takes("FILE VALUE"),  # ends in "mca", so PMIx's parser takes FILE and the argument after it
     **dict.fromkeys(("prepend-env", "append-env"), _Takes("NAME[SEP] VALUE")),
     # Open MPI: one value.
     **dict.fromkeys(
