@@ -46,16 +46,19 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = ["Command", "LaunchArgs", "build_command", "cpu_cores", "find_mpiexec", "main", "parse_args"]
 
@@ -97,7 +100,21 @@ _LIBRARY_PREFIX = "DML_"
 # Open MPI's out-of-band TCP keepalive between mpiexec and its daemons (PRRTE's oob/tcp, the same
 # names in Open MPI 4's ORTE): a daemon whose node stops answering is declared lost after
 # time + intvl * probes seconds of silence: 5 + 2 * 3 = 11 s here, 300 + 20 * 9 = 480 s by default.
-_KEEPALIVE = {"oob_tcp_keepalive_time": "5", "oob_tcp_keepalive_intvl": "2", "oob_tcp_keepalive_probes": "3"}
+# And mpi_abort_delay: a rank that aborts (Open MPI's own abort when a peer's socket closes, the
+# library's fail-fast or stall report) waits 2 s first, so that mpiexec, told by the daemons,
+# names the rank that died first and its node ("process rank 3 ... on node node-b exited on
+# signal 9") instead of the rank that noticed it.
+_MCA_DEFAULTS = {
+    "oob_tcp_keepalive_time": "5",
+    "oob_tcp_keepalive_intvl": "2",
+    "oob_tcp_keepalive_probes": "3",
+    "mpi_abort_delay": "2",
+}
+# Rank 0 writes every rank's host to this file (MPIBackend), so that the launcher can name the
+# ranks of a node that mpiexec reports lost.
+_RANK_HOSTS_VAR = "DML_RANK_HOSTS"
+# Open MPI 5 (PRRTE) and 4 (ORTE) when a node stops answering; Open MPI may still exit 0 after it.
+_LOST_NODE = re.compile(rb"[PO]RTE has lost communication with a remote daemon.*?Remote daemon:.*? on node (\S+)", re.S)
 _MCA_ENV_PREFIXES = ("PRTE_MCA_", "OMPI_MCA_")
 _ROOT_VARS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
 # Options by their name without dashes, as both mpiexecs read them (Open MPI turns -name into --name).
@@ -344,7 +361,7 @@ def build_command(
             if ours and name not in env and not _exports(exported, name):
                 added += ["-x", name]
         set_by_user = {values[0] for name, values in given if name in _MCA_OPTIONS}
-        for parameter, value in _KEEPALIVE.items():
+        for parameter, value in _MCA_DEFAULTS.items():
             in_environ = any(prefix + parameter in environ for prefix in _MCA_ENV_PREFIXES)
             if parameter not in set_by_user and not in_environ:
                 added += ["--mca", parameter, value]
@@ -396,7 +413,12 @@ def main(argv: Sequence[str] | None = None, *, python: str | None = None) -> int
     if args.dry_run:
         print(command)
         return 0
-    return _run(command)
+    if not open_mpi:
+        return _run(command)
+    with tempfile.TemporaryDirectory(prefix="dml-launch-") as tmp:
+        rank_hosts = Path(tmp) / "rank-hosts"
+        argv = [command.argv[0], "-x", f"{_RANK_HOSTS_VAR}={rank_hosts}", *command.argv[1:]]
+        return _run(Command(argv, command.env), rank_hosts)
 
 
 def _positive_int(option: str, text: str) -> int:
@@ -487,14 +509,21 @@ def _refuses_root(options: list[str], environ: Mapping[str, str]) -> bool:
     return not all(environ.get(name) == "1" for name in _ROOT_VARS)
 
 
-def _run(command: Command) -> int:
+def _run(command: Command, rank_hosts: Path | None = None) -> int:
     """Run ``command``, passing SIGINT, SIGTERM and SIGHUP on to it, and return its exit status.
 
     On Linux, the command also gets SIGTERM if this process dies without passing a signal on.
+    Its standard error passes through this process, which watches it for a node that mpiexec
+    reports lost: the job then fails (status 1 if mpiexec said 0, as Open MPI 5 does), and the
+    lost node's ranks are named from ``rank_hosts`` (written by rank 0) when that file exists.
     """
     arm = _die_with_parent()
-    # preexec_fn runs between fork and exec; arm only makes three system calls (no imports, no I/O).
-    proc = subprocess.Popen(command.argv, env={**os.environ, **command.env}, preexec_fn=arm)  # noqa: PLW1509
+    # preexec_fn runs between fork and exec; arm only makes four system calls (no imports, no I/O).
+    env = {**os.environ, **command.env}
+    proc = subprocess.Popen(command.argv, env=env, preexec_fn=arm, stderr=subprocess.PIPE)  # noqa: PLW1509
+    lost: dict[str, None] = {}
+    copier = threading.Thread(target=_copy_stderr, args=(proc.stderr, lost), name="dml-stderr", daemon=True)
+    copier.start()
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         proc.send_signal(signum)
@@ -505,7 +534,43 @@ def _run(command: Command) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 128 - code if code < 0 else code
+    # Not until end of file: a daemon left on a lost node may hold mpiexec's standard error open.
+    copier.join(timeout=2)
+    code = 128 - code if code < 0 else code
+    if lost:
+        hosts = _read_rank_hosts(rank_hosts)
+        named = [
+            f"{node} (rank(s) {[r for r, h in enumerate(hosts) if h == node]})" if node in hosts else node
+            for node in lost
+        ]
+        said = f"; mpiexec exited with status {code}, but a job that lost a node failed" if code == 0 else ""
+        print(f"distutils-ml launch: the job lost node(s) {', '.join(named)}{said}", file=sys.stderr, flush=True)
+        code = code or 1
+    return code
+
+
+def _copy_stderr(stream: Any, lost: dict[str, None]) -> None:
+    """Copy ``stream`` to this process's standard error as it comes; note each node reported lost in ``lost``."""
+    out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+    tail = b""
+    while chunk := os.read(stream.fileno(), 65536):
+        if out is not None:
+            out.write(chunk)
+            out.flush()
+        else:
+            sys.stderr.write(chunk.decode(errors="replace"))
+        window = tail + chunk
+        for match in _LOST_NODE.finditer(window):
+            lost[match.group(1).decode(errors="replace")] = None
+        tail = window[-1024:]  # a report split across two reads is still found (once: lost is a set)
+
+
+def _read_rank_hosts(path: Path | None) -> list[str]:
+    """Each rank's host as rank 0 wrote them (empty when it did not: rank 0 ran elsewhere, or never started)."""
+    try:
+        return path.read_text().split() if path is not None else []
+    except OSError:
+        return []
 
 
 # SIGHUP: the terminal or SSH session closed. Windows has none.
@@ -531,6 +596,9 @@ def _die_with_parent() -> Callable[[], None] | None:
     parent = os.getpid()
 
     def arm() -> None:  # in the child, between fork and exec
+        # Its standard error is a pipe to this process: once this process is dead, a write there must
+        # not kill mpiexec (SIGPIPE) before it has ended the ranks.
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent:
             os.kill(os.getpid(), signal.SIGTERM)

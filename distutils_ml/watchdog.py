@@ -56,14 +56,24 @@ def abort_job(MPI: Any, code: int = 1) -> None:
     fallback is the kernel's ``alarm`` with SIGALRM's default action (the process ends, killed
     by SIGALRM: a failure status for any launcher). ``ABORT_GRACE = 0`` turns it off.
     """
-    if ABORT_GRACE > 0 and hasattr(signal, "SIGALRM"):
+    # Open MPI's mpi_abort_delay (the launcher sets 2 s) makes MPI_Abort wait first; < 0: never abort.
+    delay = _number(os.environ.get("OMPI_MCA_mpi_abort_delay", "0"))  # noqa: SIM112 - Open MPI's spelling
+    if ABORT_GRACE > 0 and delay >= 0 and hasattr(signal, "SIGALRM"):
         with contextlib.suppress(OSError, AttributeError):  # no C library to call: the abort alone
             libc = ctypes.CDLL(None)
             libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
             libc.signal.restype = ctypes.c_void_p
             libc.signal(signal.SIGALRM, None)  # SIG_DFL, process-wide, callable from any thread
-            libc.alarm(ABORT_GRACE)
+            libc.alarm(ABORT_GRACE + math.ceil(delay))
     MPI.COMM_WORLD.Abort(code)
+
+
+def _number(text: str) -> float:
+    """``text`` as a number, 0 if it is not one."""
+    try:
+        return float(text)
+    except ValueError:
+        return 0.0
 
 
 class CollectiveMismatchError(RuntimeError):

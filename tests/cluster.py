@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import shlex
 import shutil
@@ -28,14 +29,34 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 #: Hostnames of the nodes, in order.
 HOSTNAMES = tuple(f"node-{chr(ord('a') + i)}" for i in range(26))
 _NETNS_ETC = Path("/etc/netns")  # ip netns exec bind-mounts /etc/netns/NS/hosts over /etc/hosts
 _PREFIX = "dmlc"
+_SERIAL = itertools.count()  # several clusters of one process get different names
+
+
+#: MCA settings every rank on every node gets (on the command line, which reaches remote ranks).
+MCA_OPTIONS = ("--mca", "btl", "^ofi", "--mca", "mpi_yield_when_idle", "1")
+
+
+@dataclass
+class Run:
+    """What ``Cluster.run`` returns: the exit status (None: timed out and killed), the output, its seconds.
+
+    ``ended`` is the wall-clock time (``time.time()``) at which the command exited or was killed.
+    """
+
+    returncode: int | None
+    output: str
+    seconds: float
+    ended: float
 
 
 def unavailable() -> str | None:
@@ -63,7 +84,7 @@ class Cluster:
     Args:
         nodes: number of nodes (namespaces), at most 26.
         slots: MPI slots per node in the hostfile.
-        name: prefix of the namespaces' names (default ``dmlc<pid>``: unique per process).
+        name: prefix of the namespaces' names (default ``dmlc<pid>-<k>``: unique on the machine).
         subnet: the first three octets of the private /24 the nodes' addresses are taken from.
 
     Attributes:
@@ -77,7 +98,7 @@ class Cluster:
         if not 1 <= nodes <= len(HOSTNAMES):
             raise ValueError(f"nodes: got {nodes}; allowed: 1..{len(HOSTNAMES)}")
         self.nodes, self.slots = nodes, slots
-        self.name = name or f"{_PREFIX}{os.getpid()}"
+        self.name = name or f"{_PREFIX}{os.getpid()}-{next(_SERIAL)}"
         self.hosts = list(HOSTNAMES[:nodes])
         self.addresses = [f"{subnet}.{i + 1}" for i in range(nodes)]
         self.namespaces = [f"{self.name}-{host}" for host in self.hosts]
@@ -123,11 +144,8 @@ class Cluster:
 
     def down(self) -> None:
         """Kill every process on the nodes and remove the namespaces and files made by ``up`` (by name)."""
+        self.kill_all()
         for ns in [*self.namespaces, self.switch]:
-            pids = _ip("netns", "pids", ns, check=False).stdout.split()
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), signal.SIGKILL)
             _ip("netns", "del", ns, check=False)
             shutil.rmtree(_NETNS_ETC / ns, ignore_errors=True)
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -150,18 +168,73 @@ class Cluster:
         """``argv`` as run on node ``node``: in its network namespace, under its hostname."""
         return ["ip", "netns", "exec", self.namespaces[node], *_on_host(self.hosts[node], argv)]
 
-    def mpi_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
-        """Environment for an mpiexec on the first node: the agent, root allowed, TCP only, yielding ranks."""
-        env = dict(os.environ if base is None else base)
+    def mpi_env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """Environment for an mpiexec on the first node: this one, ``extra``, this cluster's agent, root allowed.
+
+        Only the first node's processes see it: what remote ranks need goes on the command
+        line (``mpiexec_argv``), as on a real cluster.
+        """
+        env = {**os.environ, **(extra or {})}
         env.update(
-            PRTE_MCA_plm_ssh_agent=str(self.agent),
-            OMPI_ALLOW_RUN_AS_ROOT="1",
-            OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-            OMPI_MCA_btl="^ofi",
-            # Oversubscribed ranks busy-poll; yielding keeps them from starving each other on few cores.
-            OMPI_MCA_mpi_yield_when_idle="1",
+            PRTE_MCA_plm_ssh_agent=str(self.agent), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"
         )
         return env
+
+    def mpiexec_argv(self, ranks: int, mpiexec: str | None = None) -> list[str]:
+        """``mpiexec -n ranks --hostfile ...`` with the MCA settings every rank on every node needs here.
+
+        ``--mca`` values reach every rank (unlike the launching shell's environment): no
+        libfabric probe (slow, and no fabric here), and ranks that yield the core while they
+        wait, so oversubscribed busy-polling ranks do not starve each other.
+        """
+        exe = mpiexec or str(Path(sys.executable).parent / "mpiexec")
+        return [exe, "-n", str(ranks), "--hostfile", str(self.hostfile), *MCA_OPTIONS]
+
+    def run(
+        self,
+        argv: Sequence[str],
+        timeout: float,
+        *,
+        node: int = 0,
+        env: Mapping[str, str] | None = None,
+        on_line: Callable[[str], None] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+    ) -> Run:
+        """Run ``argv`` on node ``node`` until it exits (or ``timeout`` s, then kill every process on the nodes).
+
+        ``on_line`` sees each line of output as it comes (e.g. to cut a cable at a given step).
+        The result's ``seconds`` is the time until the command itself exited: processes it left
+        on other nodes (holding its output open, as an ssh session would) do not count.
+        """
+        start = time.monotonic()
+        proc = self.popen(argv, node, env, cwd=cwd)
+        lines: list[str] = []
+
+        def read() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line)
+                if on_line is not None:
+                    on_line(line)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            code: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        seconds, ended = time.monotonic() - start, time.time()
+        if code is None:
+            self.kill_all()
+        reader.join(timeout=5)
+        return Run(code, "".join(lines), seconds, ended)
+
+    def kill_all(self) -> None:
+        """SIGKILL every process on the nodes (the cluster stays up)."""
+        for ns in self.namespaces:
+            for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
 
     def popen(
         self, argv: Sequence[str], node: int = 0, env: Mapping[str, str] | None = None, **kw: object
@@ -218,8 +291,19 @@ def remove_stale(prefix: str = _PREFIX) -> list[str]:
 def cluster(nodes: int, slots: int = 1, **kw: object) -> Iterator[Cluster]:
     """``with cluster(2, slots=2) as c: ...``: a Cluster that is up inside the block and gone after it."""
     remove_stale()
-    with Cluster(nodes, slots, **kw) as c:  # type: ignore[arg-type]
-        yield c
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    try:
+        with Cluster(nodes, slots, **kw) as c:  # type: ignore[arg-type]
+            yield c
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, _frame: object) -> None:
+    """SIGTERM (e.g. from ``timeout``) unwinds like Ctrl-C, so the cluster is still taken down."""
+    raise SystemExit(128 + signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,6 +7,7 @@ Run: ``mpiexec -n N python tests/fault_job.py MODE [VICTIM]`` (the failing rank,
 - ``sys-exit``: rank 1 calls ``sys.exit(3)`` after 3 steps (no exception hook sees it; the
   ranks run under ``python -m mpi4py`` as the launcher starts them, which aborts the job);
 - ``raise``: rank 1 raises RuntimeError after 3 steps;
+- ``hang``: rank 1 stops communicating (sleeps) after 3 steps: the others' stall report ends the job;
 - ``cut``: nothing fails here: rank 1 prints ``CUT ME`` after 3 steps and every rank goes on
   slowly (0.2 s a step), so the test can pull the victim's cable meanwhile;
 - ``worker-error``: a DataLoader worker (``num_workers=1``) raises in ``__getitem__``
@@ -73,6 +74,7 @@ def main(mode: str, victim: str = "1") -> None:
         "sys-exit": lambda: sys.exit(3),
         "raise": _raise,
         "cut": lambda: print("CUT ME", flush=True),
+        "hang": lambda: time.sleep(600),
     }
     if mode in faults:
         for k in range(STEPS):

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import torch
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from mpi4py import MPI
 
@@ -245,6 +246,15 @@ def main(checks: list[str]) -> None:
                         guarded(bodies.large_body, world, n, dtype, op, runs % 2 == 0)
                         runs += 1
             return runs
+        elif check == "segmented":  # 64 MiB: 16 segments of 4 MiB, a NumPy array and a torch tensor
+            n = 64 * 1024 * 1024 // 4 + 5
+            for op, in_place in (("sum", True), ("avg", False)):
+                guarded(bodies.large_body, world, n, "float32", op, in_place)
+            tensor = torch.from_numpy(bodies.large_input(n, "float32", "sum", rank))
+            dml.allreduce(world, tensor, dml.SUM)
+            expected = sum(bodies.large_input(n, "float64", "sum", r) for r in range(world.size))
+            np.testing.assert_array_equal(tensor.numpy(), expected)
+            return n
         elif check == "subcomm":
             sub = MPI.COMM_WORLD.Split(color=rank % 2, key=rank)
             half = dml.MPIBackend(comm=sub)

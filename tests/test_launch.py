@@ -21,8 +21,12 @@ from distutils_ml.launch import build_command, find_mpiexec, main, parse_args
 ROOT = Path(__file__).resolve().parent.parent
 ROOT_VARS = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 KEEPALIVE = ["oob_tcp_keepalive_time", "5", "oob_tcp_keepalive_intvl", "2", "oob_tcp_keepalive_probes", "3"]
-# What the launcher adds to every Open MPI command: a daemon on a silent node is declared lost after 5 + 2 * 3 s.
-KEEPALIVE_OPTIONS = [word for i in range(0, 6, 2) for word in ("--mca", *KEEPALIVE[i : i + 2])]
+# What the launcher adds to every Open MPI command: a daemon on a silent node is declared lost after 5 + 2 * 3 s,
+# and an aborting rank waits 2 s, so mpiexec names the rank that died first.
+KEEPALIVE_OPTIONS = [
+    *(word for i in range(0, 6, 2) for word in ("--mca", *KEEPALIVE[i : i + 2])),
+    *("--mca", "mpi_abort_delay", "2"),
+]
 
 requires_mpi = pytest.mark.skipif(
     find_mpiexec() is None or importlib.util.find_spec("mpi4py") is None,
@@ -250,10 +254,16 @@ def test_keepalive_defaults_unless_the_user_set_them() -> None:
     assert argv[argv.index("--mca") : argv.index("py")] == KEEPALIVE_OPTIONS
     users = ["--mca", "oob_tcp_keepalive_time", "60", "--prtemca=oob_tcp_keepalive_probes", "10"]
     argv = build(["-n", "2", *users, "train.py"])
-    assert argv[argv.index("--mca") : argv.index("py")] == ["--mca", "oob_tcp_keepalive_intvl", "2", *users]
+    assert argv[argv.index("--mca") : argv.index("py")] == [
+        *("--mca", "oob_tcp_keepalive_intvl", "2"),
+        *("--mca", "mpi_abort_delay", "2"),
+        *users,
+    ]
     for prefix in ("PRTE_MCA_", "OMPI_MCA_"):
         argv = build(["-n", "2", "train.py"], environ={f"{prefix}oob_tcp_keepalive_intvl": "7"})
         assert argv[argv.index("--mca") : argv.index("py")] == [*KEEPALIVE_OPTIONS[:3], *KEEPALIVE_OPTIONS[6:]]
+    argv = build(["-n", "2", "--mca", "mpi_abort_delay", "-1", "train.py"])  # a debugger's "never abort" wins
+    assert argv[argv.index("--mca") : argv.index("py")] == [*KEEPALIVE_OPTIONS[:9], "--mca", "mpi_abort_delay", "-1"]
 
 
 def test_module_and_double_dash_programs() -> None:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import math
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -365,7 +368,7 @@ def test_dml_timeout_stall_warns_names_the_rank_and_ends_the_job(monkeypatch: py
         rf"\[rank [01]\] distutils_ml: warning: waiting \d+ s in {call}; the job ends after 3 s if a rank is missing"
     )
     assert re.search(warning, out), out[-8000:]
-    stall = rf"distutils_ml: stall: waited \d+ s \(timeout 3 s\) in {call}; rank\(s\) \[2\] have not arrived \(on [^)]+\):"
+    stall = rf"distutils_ml: stall: waited \d+ s \(timeout 3 s\) in {call}; rank\(s\) \[2\] have not arrived \(on .+\):"
     assert re.search(stall, out), out[-8000:]
     assert "  rank 2: not in a collective (last started #1: allreduce(shape=(2,), dtype=float64, op=dml.SUM))" in out, (
         out[-8000:]
@@ -407,3 +410,21 @@ def test_a_rank_that_finished_another_collective_with_the_same_number_is_named()
     assert "slow, not stalled" not in out, out[-8000:]
     assert "in allreduce(shape=(4,), dtype=float32, op=dml.SUM) #2; rank(s) [0] called a different collective" in out
     assert "  rank 0: not in a collective (last started #2: bcast_object(root=0))" in out, out[-8000:]
+
+
+BLOCKED_ABORT = """
+import time, types
+from distutils_ml import watchdog
+watchdog.ABORT_GRACE = 1
+# An MPI_Abort that never returns, as when mpiexec's daemon cannot reach a lost node.
+mpi = types.SimpleNamespace(COMM_WORLD=types.SimpleNamespace(Abort=lambda code: time.sleep(60)))
+watchdog.abort_job(mpi)
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGALRM"), reason="no SIGALRM on this system")
+def test_an_abort_that_cannot_be_delivered_still_ends_the_rank_with_a_failure() -> None:
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", BLOCKED_ABORT], capture_output=True, timeout=30, check=False)
+    assert proc.returncode == -signal.SIGALRM, (proc.returncode, proc.stderr)
+    assert time.monotonic() - start < 15

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import os
 import sys
 import threading
@@ -44,6 +45,7 @@ __all__ = ["MPIBackend"]
 DEFAULT_SEGMENT_BYTES = 4 * 1024 * 1024
 _SEGMENT_ENV = "DML_MPI_SEGMENT_BYTES"
 _GPU_AWARE_ENV = "DML_MPI_GPU_AWARE"
+_RANK_HOSTS_ENV = "DML_RANK_HOSTS"  # set by distutils-ml launch
 _BOOL = np.dtype(np.bool_)
 _KINDS = {
     "allreduce": 1,
@@ -138,6 +140,8 @@ class MPIBackend(Backend):
         options = dict(timeout=timeout, debug=self.debug, segment_bytes=segment_bytes, gpu_aware=bool(gpu_aware))
         #: Each rank's host (``MPI.Get_processor_name()``), for messages that name ranks.
         self.hosts: list[str] = _agree_on_options(self.comm, MPI.Get_processor_name(), options)
+        if self._rank == 0 and comm is None:
+            _write_rank_hosts(self.hosts)
         self.segment_bytes = segment_bytes
         self._piece_bytes = min(segment_bytes or MAX_PIECE_BYTES, MAX_PIECE_BYTES)
         # The rank among processes of this node (shared memory), for GPU placement.
@@ -423,6 +427,20 @@ def _agree_on_options(comm: Any, host: str, options: dict[str, Any]) -> list[str
             "(with a plain mpiexec: -x NAME for each)."
         )
     return hosts
+
+
+def _write_rank_hosts(hosts: list[str]) -> None:
+    """Write each rank's host, one a line, where ``distutils-ml launch`` asked (``DML_RANK_HOSTS``).
+
+    The launcher reads it to name the ranks of a node that mpiexec reports lost. Only where
+    that file's folder exists: rank 0 may run on another machine than the launcher.
+    """
+    path = os.environ.get(_RANK_HOSTS_ENV)
+    if path and os.path.isdir(os.path.dirname(path)):
+        with contextlib.suppress(OSError):
+            with open(path + ".tmp", "w") as f:
+                f.write("\n".join(hosts) + "\n")
+            os.replace(path + ".tmp", path)
 
 
 def ranks_on_hosts(ranks: list[int], hosts: list[str]) -> str:

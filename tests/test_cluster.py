@@ -1,0 +1,166 @@
+"""Across nodes: a real multi-node Open MPI cluster made of network namespaces (tests/cluster.py).
+
+Two layouts, 2 nodes x 2 ranks and 3 nodes x 1 rank, joined by a bridge over TCP: what GPU
+placement relies on (node_local_rank, node_size), every collective across the link
+(segmented 64 MiB included), synchronize / DistributedOptimizer / allreduce_gradients
+bit-identical across ranks and equal to one process, ``distutils-ml launch --hostfile``,
+the launcher's DML_* forwarding, and faults on the second node: a SIGKILL, an exception and
+a pulled cable end the job with a failure status, naming the missing ranks and their host.
+
+Needs root and ``ip netns`` (CI has both); elsewhere every test skips with the reason.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import cluster
+from mpirun import requires_mpi
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+PYTHON = sys.executable
+LAUNCH = str(Path(PYTHON).parent / "distutils-ml")
+# What every rank of a test job needs: the test helpers (the remote environment is clean) and one thread each.
+EXPORTS = ["-x", f"PYTHONPATH={TESTS}", "-x", "OMP_NUM_THREADS=1"]
+CHECKS = ["topology", "objects", "properties", "matrix", "segmented", "synchronize", "train", "gradients"]
+STALL = 10  # DML_TIMEOUT of the fault jobs
+
+pytestmark = requires_mpi
+
+
+def _up(nodes: int, slots: int) -> Iterator[cluster.Cluster]:
+    reason = cluster.unavailable()
+    if reason:
+        pytest.skip(reason)
+    with cluster.cluster(nodes, slots) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def two_by_two() -> Iterator[cluster.Cluster]:
+    yield from _up(2, 2)
+
+
+@pytest.fixture(scope="module")
+def three_by_one() -> Iterator[cluster.Cluster]:
+    yield from _up(3, 1)
+
+
+@pytest.fixture(params=["2x2", "3x1"])
+def layout(request: pytest.FixtureRequest) -> cluster.Cluster:
+    return request.getfixturevalue({"2x2": "two_by_two", "3x1": "three_by_one"}[request.param])
+
+
+def _ranks(c: cluster.Cluster) -> int:
+    return c.nodes * c.slots
+
+
+def test_the_nodes_are_distinct_hosts_on_their_own_network(two_by_two: cluster.Cluster) -> None:
+    c = two_by_two
+    run = c.run(["sh", "-c", "hostname; ip -4 -o addr show dev eth0"], timeout=10, node=1)
+    assert run.returncode == 0, run.output
+    assert run.output.split()[0] == "node-b" and f"inet {c.addresses[1]}/24" in run.output, run.output
+    # Nothing was added to the machine's own network: node-b reaches node-a, and only it.
+    ping = c.run([PYTHON, "-c", PING, c.addresses[0]], timeout=20, node=1)
+    assert ping.returncode == 0 and "reached" in ping.output, ping.output
+
+
+PING = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.connect((sys.argv[1], 9))  # fails at once if there is no route
+print("reached")
+"""
+
+
+def test_collectives_and_training_across_nodes(layout: cluster.Cluster) -> None:
+    c = layout
+    n = _ranks(c)
+    argv = [*c.mpiexec_argv(n), *EXPORTS, PYTHON, str(TESTS / "mpi_main.py"), *CHECKS]
+    run = c.run(argv, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.output[-8000:]
+    assert f"MPI CHECKS PASSED: {' '.join(CHECKS)} on {n} ranks" in run.output, run.output[-8000:]
+    # Rank r on node r // slots, numbered within its node: what GPU placement (NCCLBackend) uses.
+    expected = " ".join(f"{r}:{c.hosts[r // c.slots]}:{r % c.slots}/{c.slots}" for r in range(n))
+    assert f"TOPOLOGY {expected}" in run.output, run.output[-8000:]
+
+
+def test_launch_with_a_hostfile_spreads_ranks_and_forwards_dml_variables(two_by_two: cluster.Cluster) -> None:
+    c = two_by_two
+    argv = [LAUNCH, "launch", "-n", "4", "--hostfile", str(c.hostfile), str(TESTS / "launch_probe.py"), "--x", "a.py"]
+    run = c.run(argv, timeout=120, env={"DML_TIMEOUT": "20"}, cwd=ROOT)
+    assert run.returncode == 0, run.output[-8000:]
+    lines = sorted(line for line in run.output.splitlines() if line.startswith("rank "))
+    assert len(lines) == 4, run.output[-8000:]
+    for r, line in enumerate(lines):
+        host = c.hosts[r // c.slots]
+        # As on one node: the launcher's thread count and runner, the script's own arguments.
+        assert line.startswith(f"rank {r} of 4: threads 1 "), line
+        assert f"args ['--x', 'a.py'] host {host} DML_TIMEOUT 20 runner -m mpi4py" in line, line
+
+
+def _fault(c: cluster.Cluster, mode: str, cut: bool = False) -> cluster.Run:
+    """A 2x2 training job (tests/fault_job.py) whose rank 3, on node-b, fails in ``mode``."""
+    argv = [LAUNCH, "launch", "-n", "4", "--hostfile", str(c.hostfile), *cluster.MCA_OPTIONS]
+    argv += ["-x", f"PYTHONPATH={TESTS}", str(TESTS / "fault_job.py"), mode, "3"]
+
+    def pull_the_cable(line: str) -> None:
+        if cut and "CUT ME" in line:
+            c.cut(1)
+
+    try:
+        return c.run(argv, timeout=STALL + 60, env={"DML_TIMEOUT": str(STALL)}, on_line=pull_the_cable, cwd=ROOT)
+    finally:
+        c.mend(1)
+        c.kill_all()  # what the lost node still runs, had it survived
+
+
+def _seconds_after_fault(run: cluster.Run) -> float:
+    """From the victim's ``FAULT AT <time>`` line (same machine, same clock) to the job's end."""
+    match = re.search(r"FAULT AT (\d+\.\d+)", run.output)
+    assert match, run.output[-8000:]
+    return run.ended - float(match.group(1))
+
+
+def test_a_rank_that_stops_on_another_node_is_named_by_the_stall_report(two_by_two: cluster.Cluster) -> None:
+    run = _fault(two_by_two, "hang")
+    assert run.returncode not in (0, None), (run.returncode, run.output[-8000:])
+    assert "rank(s) [3] have not arrived (on node-b)" in run.output, run.output[-8000:]
+    assert "  rank 3: not in a collective" in run.output and "[on node-b]" in run.output, run.output[-8000:]
+    after = _seconds_after_fault(run)
+    assert after < STALL + 10, f"ended {after:.1f} s after the rank stopped"
+
+
+@pytest.mark.parametrize("mode", ["sigkill", "raise"])
+def test_a_rank_killed_or_raising_on_another_node_ends_the_job(two_by_two: cluster.Cluster, mode: str) -> None:
+    run = _fault(two_by_two, mode)
+    assert run.returncode not in (0, None), (run.returncode, run.output[-8000:])
+    assert "NOT ABORTED" not in run.output
+    assert "FAULT AT" in run.output, run.output[-8000:]
+    if mode == "raise":
+        assert "uncaught exception on rank 3 of 4 (on node-b)" in run.output, run.output[-8000:]
+        assert "RuntimeError: deliberate failure in training" in run.output, run.output[-8000:]
+    else:
+        assert re.search(r"rank 3 .*on node[ :]*node-b|node-b.*rank 3", run.output, re.S), run.output[-8000:]
+    after = _seconds_after_fault(run)
+    assert after < STALL + 5, f"ended {after:.1f} s after the fault"
+
+
+@pytest.mark.slow
+def test_a_pulled_cable_ends_the_job_with_a_failure_naming_the_lost_node(two_by_two: cluster.Cluster) -> None:
+    run = _fault(two_by_two, "cut", cut=True)
+    assert run.returncode is not None, f"still running after {STALL + 60} s:\n{run.output[-8000:]}"
+    assert run.returncode != 0, run.output[-8000:]
+    assert "NOT ABORTED" not in run.output
+    # Named by the launcher (mpiexec's report of the lost node, with rank 0's table of hosts), or by
+    # the stall report when the stall timeout comes before Open MPI's keepalive notices the node.
+    named = ("the job lost node(s) node-b (rank(s) [2, 3])", "rank(s) [2, 3] have not arrived (on node-b)")
+    assert any(text in run.output for text in named), run.output[-8000:]
+    after = _seconds_after_fault(run)
+    assert after < STALL + 10, f"ended {after:.1f} s after the cable was pulled"
