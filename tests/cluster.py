@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 #: Hostnames of the nodes, in order.
 HOSTNAMES = tuple(f"node-{chr(ord('a') + i)}" for i in range(26))
@@ -86,6 +87,9 @@ class Cluster:
         slots: MPI slots per node in the hostfile.
         name: prefix of the namespaces' names (default ``dmlc<pid>-<k>``: unique on the machine).
         subnet: the first three octets of the private /24 the nodes' addresses are taken from.
+        link: ``(rate in bit/s, one-way delay in s)``: 2 nodes joined by a shaped link (tests/delayline.py:
+            a TUN device ``eth0`` in each, a real-time relay that delays every packet, tbf for the rate)
+            instead of the bridge.
 
     Attributes:
         hosts: the nodes' hostnames (``node-a``, ``node-b``, ...).
@@ -94,9 +98,21 @@ class Cluster:
         agent: path of the rsh agent (an executable) that runs a command on a node.
     """
 
-    def __init__(self, nodes: int, slots: int = 1, *, name: str | None = None, subnet: str = "10.213.77") -> None:
+    def __init__(
+        self,
+        nodes: int,
+        slots: int = 1,
+        *,
+        name: str | None = None,
+        subnet: str = "10.213.77",
+        link: tuple[float, float] | None = None,
+    ) -> None:
         if not 1 <= nodes <= len(HOSTNAMES):
             raise ValueError(f"nodes: got {nodes}; allowed: 1..{len(HOSTNAMES)}")
+        if link is not None and nodes != 2:
+            raise ValueError(f"link: a shaped link joins 2 nodes; got nodes={nodes}")
+        self.link = link
+        self._line: Any = None  # the DelayLine of a shaped link
         self.nodes, self.slots = nodes, slots
         self.name = name or f"{_PREFIX}{os.getpid()}-{next(_SERIAL)}"
         self.hosts = list(HOSTNAMES[:nodes])
@@ -128,14 +144,21 @@ class Cluster:
             for i, (ns, address) in enumerate(zip(self.namespaces, self.addresses, strict=True)):
                 _ip("netns", "add", ns)
                 _ip("-n", ns, "link", "set", "lo", "up")
-                port = self.port(i)
-                _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
-                _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
-                _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
-                _ip("-n", ns, "link", "set", "eth0", "up")
+                if self.link is None:
+                    port = self.port(i)
+                    _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
+                    _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
+                    _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
+                    _ip("-n", ns, "link", "set", "eth0", "up")
                 etc = _NETNS_ETC / ns
                 etc.mkdir(parents=True, exist_ok=True)
                 (etc / "hosts").write_text(hosts)
+            if self.link is not None:
+                from delayline import DelayLine
+
+                rate, delay = self.link
+                self._line = DelayLine(*self.namespaces, *self.addresses, delay_s=delay, rate_bit_s=rate, ifname="eth0")
+                self._line.start()
             self.hostfile.write_text("".join(f"{h} slots={self.slots}\n" for h in self.hosts))
             self._write_agent()
         except BaseException:
@@ -145,6 +168,8 @@ class Cluster:
     def down(self) -> None:
         """Kill every process on the nodes and remove the namespaces and files made by ``up`` (by name)."""
         self.kill_all()
+        if self._line is not None:
+            self._line.close()
         for ns in [*self.namespaces, self.switch]:
             _ip("netns", "del", ns, check=False)
             shutil.rmtree(_NETNS_ETC / ns, ignore_errors=True)

@@ -9,9 +9,12 @@ object broadcast, and fail-fast on an uncaught exception.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from mpirun import requires_mpi, run_mpi
+from mpirun import mpi_env, requires_mpi, run_mpi
 
 pytestmark = requires_mpi
 
@@ -71,3 +74,17 @@ def test_ranks_with_different_options_are_refused_on_every_rank(envs: list[dict[
         assert "timeout (timeout= or DML_TIMEOUT): 20.0 on rank(s) [0, 1] on " in job.output, job.output[-4000:]
         assert "; 300.0 on rank(s) [2] on " in job.output, job.output[-4000:]
     assert job.returncode == 0, job.output[-8000:]
+
+
+@pytest.mark.parametrize("variable", ["SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"])
+def test_a_world_of_one_whose_launcher_started_several_is_refused(variable: str) -> None:
+    # srun without --mpi=pmix, or another MPI's mpiexec: every process is its own world of one.
+    code = "import distutils_ml as dml; dml.initialize(dml.MPIBackend); print('TRAINS ALONE')"
+    env = {**mpi_env(), variable: "4"}
+    run = dict(env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], check=False, **run)
+    assert proc.returncode != 0 and "TRAINS ALONE" not in proc.stdout, proc.stdout + proc.stderr
+    assert f"world of one, but {variable}=4 says its launcher started 4 processes" in proc.stderr, proc.stderr
+    env[variable] = "1"
+    alone = subprocess.run([sys.executable, "-c", code], check=False, **run)
+    assert alone.returncode == 0 and "TRAINS ALONE" in alone.stdout, alone.stderr

@@ -135,6 +135,8 @@ class MPIBackend(Backend):
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self._rank = self.comm.Get_rank()
         self._size = self.comm.Get_size()
+        if comm is None and self._size == 1:
+            _check_not_split_by_launcher()
         if gpu_aware is None:
             gpu_aware = os.environ.get(_GPU_AWARE_ENV, "").lower() in ("1", "true", "yes", "on")
         options = dict(timeout=timeout, debug=self.debug, segment_bytes=segment_bytes, gpu_aware=bool(gpu_aware))
@@ -427,6 +429,28 @@ def _agree_on_options(comm: Any, host: str, options: dict[str, Any]) -> list[str
             "(with a plain mpiexec: -x NAME for each)."
         )
     return hosts
+
+
+#: Variables in which a launcher says how many processes it started (SLURM's srun, Open MPI's, Hydra's).
+_LAUNCHED_SIZE_VARS = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def _check_not_split_by_launcher() -> None:
+    """Raise when MPI says this process is a world of one but its launcher started several.
+
+    That is a launcher and an MPI library that do not speak to each other (srun without a PMI
+    the MPI understands, another MPI's mpiexec): every process, or every node, trains alone.
+    """
+    for name in _LAUNCHED_SIZE_VARS:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            raise RuntimeError(
+                f"MPIBackend: MPI says this process is a world of one, but {name}={value} says its launcher "
+                f"started {value} processes: MPI did not connect them, so each would train alone. Usual causes: "
+                "srun without --mpi=pmix (or with a PMI this MPI does not speak: see srun --mpi=list), or an "
+                "mpiexec of another MPI than the one mpi4py was built with (compare `which mpiexec` with "
+                "python -c 'from mpi4py import MPI; print(MPI.Get_library_version())')."
+            )
 
 
 def _write_rank_hosts(hosts: list[str]) -> None:
