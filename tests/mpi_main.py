@@ -171,6 +171,11 @@ def topology_check(world: dml.Backend) -> dict[str, Any]:
         peers = [q for q in range(world.size) if hosts[q] == h]
         assert node_size == len(peers), (r, every)
         assert local == peers.index(r), (r, every)  # the ranks of a node, numbered by world rank
+    # The default segments: 4 MiB within one node's shared memory, 16 MiB across a network.
+    from distutils_ml.backends.mpi import DEFAULT_SEGMENT_BYTES, NETWORK_SEGMENT_BYTES
+
+    one_node = len(set(hosts)) == 1
+    assert world.segment_bytes == (DEFAULT_SEGMENT_BYTES if one_node else NETWORK_SEGMENT_BYTES), world.segment_bytes
     if rank == 0:
         print("TOPOLOGY " + " ".join(f"{r}:{h}:{local}/{n}" for r, (h, local, n) in enumerate(every)), flush=True)
     return {"host": host, "node_local_rank": world.node_local_rank, "node_size": world.node_size}

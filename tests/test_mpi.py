@@ -9,6 +9,7 @@ object broadcast, and fail-fast on an uncaught exception.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -18,7 +19,19 @@ from mpirun import mpi_env, requires_mpi, run_mpi
 
 pytestmark = requires_mpi
 
-CHECKS = ["objects", "subcomm", "bad_input", "properties", "matrix", "synchronize", "train", "data", "debug"]
+CHECKS = [
+    "topology",
+    "objects",
+    "subcomm",
+    "gradients",
+    "bad_input",
+    "properties",
+    "matrix",
+    "synchronize",
+    "train",
+    "data",
+    "debug",
+]
 
 
 @pytest.mark.parametrize(("ranks", "extra"), [(2, ["large", "ddp"]), (3, [])])
@@ -28,6 +41,8 @@ def test_collectives_under_mpiexec(ranks: int, extra: list[str]) -> None:
     assert f"MPI CHECKS PASSED: {' '.join(CHECKS + extra)} on {ranks} ranks" in job.output, job.output[-8000:]
     for check in CHECKS + extra:
         assert job.output.count(f"check {check} passed") == ranks, job.output[-8000:]
+    host = " ".join(f"{r}:[^: ]+:{r}/{ranks}" for r in range(ranks))  # one machine: one node of every rank
+    assert re.search(f"TOPOLOGY {host}", job.output), job.output[-8000:]
 
 
 def test_uncaught_exception_aborts_the_whole_job_fast() -> None:
