@@ -47,6 +47,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -54,11 +55,12 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 __all__ = ["Command", "LaunchArgs", "build_command", "cpu_cores", "find_mpiexec", "main", "parse_args"]
 
@@ -522,20 +524,16 @@ def _run(command: Command, rank_hosts: Path | None = None) -> int:
     env = {**os.environ, **command.env}
     proc = subprocess.Popen(command.argv, env=env, preexec_fn=arm, stderr=subprocess.PIPE)  # noqa: PLW1509
     lost: dict[str, None] = {}
-    copier = threading.Thread(target=_copy_stderr, args=(proc.stderr, lost), name="dml-stderr", daemon=True)
-    copier.start()
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         proc.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
     try:
-        code = proc.wait()
+        code = _wait_copying_stderr(proc, lost)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    # Not until end of file: a daemon left on a lost node may hold mpiexec's standard error open.
-    copier.join(timeout=2)
     code = 128 - code if code < 0 else code
     if lost:
         hosts = _read_rank_hosts(rank_hosts)
@@ -549,20 +547,53 @@ def _run(command: Command, rank_hosts: Path | None = None) -> int:
     return code
 
 
-def _copy_stderr(stream: Any, lost: dict[str, None]) -> None:
-    """Copy ``stream`` to this process's standard error as it comes; note each node reported lost in ``lost``."""
-    out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+def _wait_copying_stderr(proc: subprocess.Popen[bytes], lost: dict[str, None]) -> int:
+    """Copy ``proc``'s standard error to ours until it ends, noting each node reported lost; its exit status.
+
+    All in this one thread. The kernel sends the parent-death signal each time the thread that
+    started mpiexec ends and mpiexec passes to another of this process's threads: a reader thread
+    made a killed launcher send SIGTERM twice, and mpiexec takes a second SIGTERM as "abort now",
+    leaving the ranks running.
+    """
+    assert proc.stderr is not None
+    if os.name == "nt":  # no select() on pipes, and no parent-death signal to protect: a reader thread
+        reader = threading.Thread(target=_copy_all, args=(proc.stderr.fileno(), lost), daemon=True)
+        reader.start()
+        code = proc.wait()
+        reader.join(timeout=2)
+        return code
+    fd, tail, ended = proc.stderr.fileno(), b"", None
+    # Not until end of file alone: a daemon left on a lost node may hold mpiexec's standard error open.
+    while ended is None or time.monotonic() - ended < 2:
+        if ended is None and proc.poll() is not None:
+            ended = time.monotonic()
+        if select.select([fd], [], [], 0.2)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            tail = _copy_chunk(chunk, tail, lost)
+    return proc.wait()
+
+
+def _copy_all(fd: int, lost: dict[str, None]) -> None:
+    """Copy ``fd`` to our standard error until end of file (see :func:`_copy_chunk`)."""
     tail = b""
-    while chunk := os.read(stream.fileno(), 65536):
-        if out is not None:
-            out.write(chunk)
-            out.flush()
-        else:
-            sys.stderr.write(chunk.decode(errors="replace"))
-        window = tail + chunk
-        for match in _LOST_NODE.finditer(window):
-            lost[match.group(1).decode(errors="replace")] = None
-        tail = window[-1024:]  # a report split across two reads is still found (once: lost is a set)
+    while chunk := os.read(fd, 65536):
+        tail = _copy_chunk(chunk, tail, lost)
+
+
+def _copy_chunk(chunk: bytes, tail: bytes, lost: dict[str, None]) -> bytes:
+    """Write ``chunk`` to our standard error, note each node it reports lost in ``lost``; the new tail."""
+    out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+    if out is not None:
+        out.write(chunk)
+        out.flush()
+    else:
+        sys.stderr.write(chunk.decode(errors="replace"))
+    window = tail + chunk
+    for match in _LOST_NODE.finditer(window):
+        lost[match.group(1).decode(errors="replace")] = None
+    return window[-1024:]  # a report split across two reads is still found (once: lost is a set)
 
 
 def _read_rank_hosts(path: Path | None) -> list[str]:

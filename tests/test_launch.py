@@ -481,7 +481,10 @@ def _running(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 @pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGKILL])
 def test_the_job_ends_with_the_launcher(tmp_path: Path, signum: int) -> None:
-    """SIGHUP is passed on to mpiexec; SIGKILL of the launcher ends mpiexec (parent-death signal) and the ranks."""
+    """SIGHUP is passed on to mpiexec; SIGKILL of the launcher ends mpiexec (parent-death signal) and the ranks.
+
+    Under load too (CI failed that way once): busy processes keep both cores while the launcher dies.
+    """
     cmd = [sys.executable, "-m", "distutils_ml.launch", "launch", "-n", "2", "--threads-per-rank", "1"]
     cmd += [str(ROOT / "tests" / "launch_probe.py"), "--wait", str(tmp_path)]
     env = cli_env(**ROOT_VARS, OMPI_MCA_btl="^ofi")
@@ -489,6 +492,7 @@ def test_the_job_ends_with_the_launcher(tmp_path: Path, signum: int) -> None:
         launcher = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
     pids = [tmp_path / f"rank{rank}.pid" for rank in (0, 1)]
     job: set[int] = set()
+    hogs: list[subprocess.Popen[bytes]] = []
     try:
         deadline = time.monotonic() + 120
         while not all(p.exists() for p in pids) and launcher.poll() is None and time.monotonic() < deadline:
@@ -497,6 +501,13 @@ def test_the_job_ends_with_the_launcher(tmp_path: Path, signum: int) -> None:
         ranks = {int(p.read_text()) for p in pids}
         job = _job_processes(launcher.pid) | ranks
         assert ranks <= job and len(job) > len(ranks)  # mpiexec, its helpers and the ranks
+        # The kernel sends the parent-death signal again for each launcher thread mpiexec passes to when
+        # the launcher dies, and mpiexec takes a second SIGTERM as "abort now", leaving the ranks running.
+        threads = sorted(os.listdir(f"/proc/{launcher.pid}/task"))
+        assert threads == [str(launcher.pid)], (
+            f"the launcher runs {len(threads)} threads; mpiexec would get 1 SIGTERM each"
+        )
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
         launcher.send_signal(signum)
         launcher.wait(timeout=30)
         deadline = time.monotonic() + 10
@@ -505,6 +516,9 @@ def test_the_job_ends_with_the_launcher(tmp_path: Path, signum: int) -> None:
         survivors = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in job if _running(pid)}
         assert not survivors, f"still running after the launcher got signal {signum}: {survivors}"
     finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
         launcher.kill()
         launcher.wait()
         for pid in job:
