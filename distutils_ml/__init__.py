@@ -13,6 +13,7 @@ from distutils_ml.backends.base import Backend, ReduceOp
 from distutils_ml.backends.local import LocalBackend
 from distutils_ml.backends.mpi import MPIBackend
 from distutils_ml.backends.nccl import NCCLBackend
+from distutils_ml.batchnorm import SyncBatchNorm, allreduce_autograd, convert_sync_batchnorm
 from distutils_ml.buffers import broadcast_buffers
 from distutils_ml.checkpoint import load, rng_state, rng_state_all, save, set_rng_state, set_rng_state_all
 from distutils_ml.collectives import allgather, allreduce, barrier, bcast, reduce
@@ -47,15 +48,18 @@ __all__ = [
     "NCCLBackend",
     "ReduceOp",
     "StallError",
+    "SyncBatchNorm",
     "UnpaddedShare",
     "allgather",
     "allgather_object",
     "allreduce",
+    "allreduce_autograd",
     "allreduce_gradients",
     "barrier",
     "bcast",
     "bcast_object",
     "broadcast_buffers",
+    "convert_sync_batchnorm",
     "get_distributed_backend",
     "gather_unpadded",
     "getobs",

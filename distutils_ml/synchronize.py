@@ -376,9 +376,10 @@ def refuse_sync_batchnorm(module: torch.nn.Module, path: str, caller: str) -> No
             raise RuntimeError(
                 f"{caller}: {where} is a torch.nn.SyncBatchNorm, which needs a torch.distributed process group; "
                 "distutils_ml does not create one, so it would silently act as plain BatchNorm (each rank "
-                "normalizing with its own batch statistics). Use torch.nn.BatchNorm1d/2d/3d instead, optionally "
-                "with dml.broadcast_buffers(backend, model) to keep rank 0's running statistics on every rank as "
-                "DDP does; a SyncBatchNorm that reduces batch statistics across ranks is planned"
+                "normalizing with its own batch statistics). To reduce batch statistics across ranks, convert "
+                "the model first: model = dml.convert_sync_batchnorm(backend, model) (dml.SyncBatchNorm). For "
+                "per-rank statistics use torch.nn.BatchNorm1d/2d/3d instead, optionally with "
+                "dml.broadcast_buffers(backend, model) to keep rank 0's running statistics on every rank as DDP does"
             )
 
 

@@ -3,7 +3,8 @@
 # where there are two GPUs: NCCL needs one GPU per rank), the staged MPI path on 1 and 2 ranks
 # sharing the GPU, CUDA-aware MPI if the MPI supports it, stream ordering, CuPy arrays, training
 # on CUDA, object collectives, exact evaluation, buffer broadcasts and strided synchronize on CUDA,
-# the quickstart on CUDA, and our NCCL allreduce against the raw CuPy NCCL call.
+# SyncBatchNorm on CUDA tensors (simulated ranks, staged MPI on 2 ranks, NCCL), the quickstart on CUDA,
+# and our NCCL allreduce against the raw CuPy NCCL call.
 # Usage: bash scripts/gpu-check.sh   (from the repository root, in an environment with
 #        distutils-ml[test,mpi,cuda] or [cuda13] installed).
 set -uo pipefail
@@ -14,6 +15,7 @@ gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 nccl_ranks=$(( gpus < 2 ? 1 : 2 ))
 status=0
 python -m pytest -q -p no:cacheprovider tests/test_gpu.py || status=1
+python -m pytest -q -p no:cacheprovider tests/test_batchnorm.py -k gpu || status=1
 for n in $(seq 1 "$nccl_ranks"); do
   mpiexec --oversubscribe -n "$n" python tests/gpu_job.py nccl || status=1
 done

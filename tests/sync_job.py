@@ -385,6 +385,7 @@ def sync_batchnorm_body(b: dml.Backend) -> None:
             assert "x.2" in msg or "module.2" in msg, msg
             assert "torch.nn.SyncBatchNorm" in msg and "torch.nn.BatchNorm1d" in msg, msg
             assert "dml.broadcast_buffers" in msg, msg
+            assert "model = dml.convert_sync_batchnorm(backend, model)" in msg and "planned" not in msg, msg
     world_usable(b)
 
 

@@ -1,0 +1,104 @@
+"""The MPI side of the SyncBatchNorm tests: ``mpiexec -n N python tests/batchnorm_job.py KIND``.
+
+KIND ``cpu``: the bodies of tests/batchnorm_bodies.py on the world backend (the property
+with hypothesis derandomized, so every rank draws the same cases; every body; every
+misuse by every rank), then the property and the misuses again on a debug-mode
+backend, which compares every collective's call site across ranks. KIND ``staged``
+(MPIBackend) and ``nccl`` (NCCLBackend): the bodies that take CUDA tensors. A failing
+body prints its rank, arguments and traceback and aborts the job. Rank 0 ends with
+``BATCHNORM JOB PASSED: KIND on N ranks`` when all passed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+
+import distutils_ml as dml
+
+import batchnorm_bodies as bodies
+
+SETTINGS = settings(
+    derandomize=True,  # every rank draws the same cases
+    database=None,
+    deadline=None,
+    phases=[Phase.generate],  # no shrinking: the other ranks could not follow it
+    suppress_health_check=list(HealthCheck),
+)
+
+
+def guarded(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn``; on any failure print rank, arguments and traceback, then abort the job."""
+    try:
+        return fn(*args)
+    except BaseException:
+        from mpi4py import MPI
+
+        rank = MPI.COMM_WORLD.Get_rank()
+        sys.stderr.write(f"[rank {rank}] CHECK FAILED: {fn.__name__}{args[1:]!r}\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(3)
+
+
+def property_checks(backend: dml.Backend, examples: int, device: str) -> int:
+    count = 0
+
+    @settings(SETTINGS, max_examples=examples)
+    @given(case=bodies.cases(backend.size))
+    def run(case: bodies.Case) -> None:
+        nonlocal count
+        guarded(bodies.batchnorm_body, backend, case, device)
+        count += 1
+
+    run()
+    return count
+
+
+def misuse_checks(backend: dml.Backend) -> int:
+    count = 0
+    for misuse in bodies.MISUSES:
+        for culprit in range(backend.size):
+            guarded(bodies.bad_input_body, backend, misuse, culprit)
+            count += 1
+    return count
+
+
+def main(kind: str) -> None:
+    start = time.perf_counter()
+    if kind == "nccl":
+        dml.initialize(dml.NCCLBackend)
+        world = dml.get_distributed_backend(dml.NCCLBackend)
+    else:
+        dml.initialize(dml.MPIBackend)
+        world = dml.get_distributed_backend(dml.MPIBackend)
+        if kind == "staged":
+            torch.cuda.set_device(world.node_local_rank % torch.cuda.device_count())
+    if kind == "cpu":
+        checker = dml.MPIBackend(debug=True)
+        detail = {
+            "property": property_checks(world, 80, "cpu"),
+            "misuse": misuse_checks(world),
+            "property_debug": property_checks(checker, 15, "cpu"),
+            "misuse_debug": misuse_checks(checker),
+        }
+        for body in bodies.BODIES:
+            guarded(body, world)
+        detail["bodies"] = len(bodies.BODIES)
+    else:
+        detail = {"property": property_checks(world, 10, "cuda")}
+        for body in (bodies.allreduce_autograd_body, bodies.half_body):
+            guarded(body, world, "cuda")
+    dml.print(world, f"batchnorm checks passed in {time.perf_counter() - start:.1f}s: {detail}")
+    dml.barrier(world)
+    if world.rank == 0:
+        print(f"BATCHNORM JOB PASSED: {kind} on {world.size} ranks", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
