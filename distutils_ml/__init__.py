@@ -19,7 +19,12 @@ from distutils_ml.checkpoint import load, rng_state, rng_state_all, save, set_rn
 from distutils_ml.collectives import allgather, allreduce, barrier, bcast, reduce
 from distutils_ml.data import DistributedDataContainer, UnpaddedShare, gather_unpadded, getobs, numobs
 from distutils_ml.objects import allgather_object, bcast_object
-from distutils_ml.optimizer import DistributedOptimizer, allreduce_gradients
+from distutils_ml.optimizer import (
+    BackwardReduction,
+    DistributedOptimizer,
+    allreduce_gradients,
+    reduce_gradients_in_backward,
+)
 from distutils_ml.printing import print
 from distutils_ml.registry import get_distributed_backend, initialize, initialized, local_rank, total_workers
 from distutils_ml.synchronize import synchronize
@@ -35,6 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AVG",
+    "BackwardReduction",
     "MAX",
     "MIN",
     "PROD",
@@ -55,6 +61,7 @@ __all__ = [
     "allreduce",
     "allreduce_autograd",
     "allreduce_gradients",
+    "reduce_gradients_in_backward",
     "barrier",
     "bcast",
     "bcast_object",

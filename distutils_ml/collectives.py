@@ -33,7 +33,7 @@ from distutils_ml.arrays import (
     torch_dtype_name,
     write_back,
 )
-from distutils_ml.backends.base import Backend, ReduceOp, busy, check_backend, resolve_op
+from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
 
 __all__ = ["allreduce", "bcast", "reduce", "allgather", "barrier"]
 
@@ -107,8 +107,8 @@ def allreduce(backend: Backend, sendbuf: Any, recvbuf: Any = None, op: Any = Non
     """
     check_backend(backend, "allreduce")
     entry = backend._entry  # one thread at a time (inlined: this is the hot path)
-    if not entry.acquire(False):
-        raise busy(backend, "allreduce")
+    if backend._comm_pending or not entry.acquire(False):
+        backend._enter("allreduce")  # after the communication thread's jobs, or refused
     try:
         if op is None:
             recvbuf, op = _split_op(recvbuf, op)

@@ -1,30 +1,21 @@
-"""``DistributedOptimizer`` and ``allreduce_gradients``: average gradients, then step.
+"""``DistributedOptimizer``, ``reduce_gradients_in_backward`` and ``allreduce_gradients``.
 
-How gradients travel (chosen by measurement on CPU, see docs/benchmarks): a gradient
-of at least ``bucket_bytes`` is reduced in place, zero-copy (the backend cuts it into
-cache-sized segments); smaller gradients live in one flat bucket per dtype and device,
-reduced in one collective. After a reduction each small parameter's ``.grad`` *is* its
-slice of the bucket (as with DDP's ``gradient_as_bucket_view``): when gradients are kept
-between steps (``zero_grad(set_to_none=False)``, accumulation) backward adds into the
-bucket and nothing is copied; a fresh gradient is copied in once and replaced by its
-slice, never copied back. The bucket also carries one flag per parameter telling which
-ranks have a gradient, so a parameter whose ``.grad`` is None on some ranks counts as
-zeros there (no rank ever waits for a collective the others skip) and one whose
-``.grad`` is None on every rank stays None. Extra memory: the small gradients' bucket,
-at most one gradient-sized buffer (the gradients it replaces are freed).
-
-Sparse gradients (``nn.Embedding(sparse=True)``) are reduced as dense ones, like
-Horovod's ``sparse_as_dense=True``: each becomes a dense ``.grad`` before it travels.
+``DistributedOptimizer`` and ``reduce_gradients_in_backward`` reduce gradients *during*
+``backward()``: hooks on the parameters hand each bucket to the reduction as soon as
+its gradients are accumulated, and ``backward()`` returns only once every ``.grad`` is
+the reduced one, as with torch DDP (:mod:`distutils_ml.reducer` says how buckets are
+formed and ordered). ``allreduce_gradients`` reduces when it is called, after backward.
 
 Whenever the reduction plan is built (first reduction, and again when the parameters
-change) the ranks compare their configuration (op, communication dtype, bucket size,
-parameter shapes, dtypes and device types) in one small allgather and all raise on a
-difference; reductions that reuse the plan pay nothing for the check.
+change through the wrapper) the ranks compare their configuration (op, communication
+dtype, bucket size, parameter shapes, dtypes and device types) in one small allgather
+and all raise on a difference; reductions that reuse the plan pay nothing for the check.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import warnings
 import weakref
@@ -37,207 +28,9 @@ import torch
 
 from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
 from distutils_ml.collectives import allgather, allreduce
-from distutils_ml.objects import allgather_object, digest
+from distutils_ml.reducer import DEFAULT_BUCKET_BYTES, GradientReducer, check_bucket_bytes, ranks_text
 
-__all__ = ["DistributedOptimizer", "allreduce_gradients"]
-
-DEFAULT_BUCKET_BYTES = 256 * 1024
-_COMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_SETTINGS = ("op", "communication_dtype", "bucket_bytes", "parameters")
-
-
-def _check_bucket_bytes(bucket_bytes: Any) -> int:
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
-        raise ValueError(f"bucket_bytes: got {bucket_bytes!r}; allowed: an int >= 0")
-    return bucket_bytes
-
-
-class _GradientReducer:
-    """Reduces the gradients of a list of parameters across ranks (the plan is rebuilt when the list changes)."""
-
-    def __init__(self, caller: str, op: Any, bucket_bytes: int, communication_dtype: torch.dtype | None) -> None:
-        self.caller = caller
-        self.op = resolve_op(op)
-        self.bucket_bytes = _check_bucket_bytes(bucket_bytes)
-        if communication_dtype is not None and communication_dtype not in _COMM_DTYPES:
-            raise ValueError(
-                f"communication_dtype: got {communication_dtype!r}; allowed: None, torch.float16, torch.bfloat16, "
-                "torch.float32 or torch.float64"
-            )
-        self.comm_dtype = communication_dtype
-        # Flags count ranks holding a gradient: SUM/AVG/MAX keep "somebody has one" > 0.
-        self._flags_op = ReduceOp.MAX if self.op in (ReduceOp.PROD, ReduceOp.MIN) else self.op
-        self._plan_key: tuple | None = None
-        self._large: list[int] = []
-        self._buckets: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        # (parameter index, its flat slice of a bucket, that slice shaped like the parameter)
-        self._slots: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-
-    def _plan(self, backend: Backend, params: list[torch.Tensor], labels: Callable[[], list[str]]) -> None:
-        key = tuple((id(p), p.dtype, p.shape, p.device) for p in params)
-        if key == self._plan_key:
-            return
-        for p in params:
-            if p.is_sparse or p.layout != torch.strided:
-                raise TypeError(f"{self.caller}: sparse parameters are not supported; use dense tensors")
-            if not p.dtype.is_floating_point:
-                raise TypeError(f"{self.caller}: parameter of dtype {p.dtype}; gradients must be floating point")
-        self._agree(backend, params, labels)
-        small = [
-            i
-            for i, p in enumerate(params)
-            if p.numel() * p.element_size() < self.bucket_bytes
-            or (self.comm_dtype is not None and p.dtype != self.comm_dtype)
-        ]
-        self._large = sorted(set(range(len(params))) - set(small))
-        # One bucket per wire dtype and device; the flags head the first parameter's device's bucket.
-        flag_key = (self.comm_dtype or torch.float32, params[0].device if params else torch.device("cpu"))
-        sizes: dict[tuple[torch.dtype, torch.device], int] = {flag_key: len(params)}
-        for i in small:
-            d = self._wire_dtype(params[i])
-            sizes[d] = sizes.get(d, 0) + params[i].numel()
-        self._buckets = {k: torch.zeros(n, dtype=k[0], device=k[1]) for k, n in sizes.items()}
-        offsets = dict.fromkeys(sizes, 0)
-        offsets[flag_key] = len(params)
-        self._slots = []
-        for i in small:
-            d, k = self._wire_dtype(params[i]), params[i].numel()
-            flat = self._buckets[d][offsets[d] : offsets[d] + k]
-            offsets[d] += k
-            self._slots.append((i, flat, flat.view(params[i].shape)))
-        self._flag_key = flag_key
-        self._plan_key = key
-
-    def _settings(self, params: list[torch.Tensor]) -> tuple[str, ...]:
-        """This rank's configuration, one text per entry of ``_SETTINGS``."""
-        shapes = [f"{tuple(p.shape)} {p.dtype} {p.device.type}" for p in params]
-        return repr(self.op), repr(self.comm_dtype), repr(self.bucket_bytes), repr(shapes)
-
-    def _agree(self, backend: Backend, params: list[torch.Tensor], labels: Callable[[], list[str]]) -> None:
-        """Raise ``ValueError`` on every rank unless every rank has the same configuration."""
-        settings = self._settings(params)
-        mine = np.array([digest(s) for s in settings], dtype=np.int64)
-        every = np.empty((backend.size, mine.size), dtype=np.int64)
-        allgather(backend, mine, every)
-        if (every == every[0]).all():
-            return
-        values = allgather_object(backend, (self.op, self.comm_dtype, self.bucket_bytes, _describe(params, labels())))
-        lines = []
-        for k, name in enumerate(_SETTINGS):
-            if (every[:, k] != every[0, k]).any():
-                column = [v[k] for v in values]
-                lines.append(_parameters_difference(column) if name == "parameters" else _by_rank(name, column))
-        fix = (
-            "Create DistributedOptimizer with the same op, bucket_bytes and communication_dtype"
-            if self.caller == "DistributedOptimizer"
-            else "Call allreduce_gradients with the same op and bucket_bytes"
-        )
-        raise ValueError(
-            f"{self.caller}: the ranks are configured differently: {'; '.join(lines)}. {fix}, over the same "
-            "parameters in the same order (same shapes, dtypes and device types), on every rank"
-        )
-
-    def _wire_dtype(self, p: torch.Tensor) -> tuple[torch.dtype, torch.device]:
-        """The bucket a small gradient travels in: its wire dtype and its device."""
-        return self.comm_dtype or p.dtype, p.device
-
-    def reduce(self, backend: Backend, params: list[torch.Tensor], labels: Callable[[], list[str]]) -> None:
-        """Make every parameter's ``.grad`` the ``op`` of all ranks' gradients (a sparse one becomes dense)."""
-        backend._enter(self.caller)  # one thread at a time: the reduction is several collectives
-        try:
-            self._plan(backend, params, labels)
-            self._reduce(backend, params)
-        finally:
-            backend._leave()
-
-    def _reduce(self, backend: Backend, params: list[torch.Tensor]) -> None:
-        n = len(params)
-        # Flags first, at the head of the flag dtype's bucket: 1 where this rank has a gradient.
-        flags = self._buckets[self._flag_key][:n]
-        flags.copy_(torch.tensor([p.grad is not None for p in params], dtype=self._flag_key[0]))
-        for i, flat, shaped in self._slots:
-            g = params[i].grad
-            if g is None:
-                flat.zero_()
-            elif g.layout != torch.strided:  # sparse: densify into the slot
-                shaped.copy_(g.to_dense())
-            elif not _is_slice(g, flat):  # a fresh gradient: copy it in once
-                flat.copy_(g.reshape(-1))
-        for d, bucket in self._buckets.items():
-            if d == self._flag_key and self._flags_op is not self.op:
-                allreduce(backend, bucket[:n], self._flags_op)
-                if bucket.numel() > n:
-                    allreduce(backend, bucket[n:], self.op)
-            else:
-                allreduce(backend, bucket, self.op)
-        somebody = (flags > 0).tolist()
-        for i, flat, shaped in self._slots:
-            p = params[i]
-            if not somebody[i]:
-                continue
-            g = p.grad
-            if shaped.dtype != p.dtype:  # compressed on the wire: cast back
-                if g is None or g.layout != torch.strided:
-                    p.grad = shaped.to(p.dtype, copy=True)
-                else:
-                    g.copy_(shaped)
-            elif g is None or g.layout != torch.strided or not _is_slice(g, flat):
-                p.grad = shaped  # from now on backward accumulates straight into the bucket
-        for i in self._large:
-            p = params[i]
-            if not somebody[i]:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            elif p.grad.layout != torch.strided:
-                p.grad = p.grad.to_dense()
-            g = p.grad
-            if g.is_contiguous():
-                allreduce(backend, g, self.op)
-            else:
-                g.copy_(allreduce(backend, g.contiguous(), self.op))
-
-
-def _describe(params: list[torch.Tensor], labels: list[str]) -> list[tuple[str, str]]:
-    """(name, description) of each parameter, for the message naming a difference."""
-    return [(label, f"{tuple(p.shape)} {p.dtype} on {p.device.type}") for p, label in zip(params, labels, strict=True)]
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
-
-
-def _grouped(column: list[Any]) -> str:
-    """``column[r]`` is rank r's value: 'v1 on rank(s) [..], v2 on rank(s) [..]'."""
-    groups: dict[str, list[int]] = {}
-    for r, v in enumerate(column):
-        groups.setdefault(repr(v) if not isinstance(v, str) else v, []).append(r)
-    return ", ".join(f"{v} on {_ranks(rs)}" for v, rs in groups.items())
-
-
-def _by_rank(name: str, column: list[Any]) -> str:
-    return f"{name} is {_grouped(column)}"
-
-
-def _parameters_difference(column: list[list[tuple[str, str]]]) -> str:
-    """Where the parameter lists of the ranks differ: their counts, then the first differing position."""
-    parts = []
-    counts = [len(c) for c in column]
-    if len(set(counts)) > 1:
-        parts.append(f"the number of parameters is {_grouped(counts)}")
-    differing = [i for i in range(min(counts)) if len({c[i] for c in column}) > 1]
-    if differing:
-        i = differing[0]
-        names = {c[i][0] for c in column}
-        shown = [c[i][1] for c in column] if len(names) == 1 else [f"{c[i][0]} {c[i][1]}" for c in column]
-        label = f" ({column[0][i][0]})" if len(names) == 1 else ""
-        parts.append(f"parameter {i}{label} is {_grouped(shown)} ({len(differing)} position(s) differ in all)")
-    return "; ".join(parts)
-
-
-def _is_slice(grad: torch.Tensor, flat: torch.Tensor) -> bool:
-    """Whether ``grad`` is already the bucket slice ``flat`` (then nothing needs copying)."""
-    return grad.data_ptr() == flat.data_ptr() and grad.dtype == flat.dtype and grad.is_contiguous()
+__all__ = ["BackwardReduction", "DistributedOptimizer", "allreduce_gradients", "reduce_gradients_in_backward"]
 
 
 def _params_of(module_or_params: torch.nn.Module | Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[str]]:
@@ -263,9 +56,7 @@ def _params_of(module_or_params: torch.nn.Module | Iterable[torch.Tensor]) -> tu
 
 # allreduce_gradients keeps one reducer per backend, op and bucket size, so its plan (and the
 # configuration check that comes with building one) is reused while the parameters stay the same.
-_REDUCERS: weakref.WeakKeyDictionary[Backend, dict[tuple[ReduceOp, int], _GradientReducer]] = (
-    weakref.WeakKeyDictionary()
-)
+_REDUCERS: weakref.WeakKeyDictionary[Backend, dict[tuple[ReduceOp, int], GradientReducer]] = weakref.WeakKeyDictionary()
 _REDUCERS_LOCK = threading.Lock()
 
 
@@ -292,18 +83,128 @@ def allreduce_gradients(
         >>> opt.step()
     """
     check_backend(backend, "allreduce_gradients")
-    key = (resolve_op(op), _check_bucket_bytes(bucket_bytes))
+    key = (resolve_op(op), check_bucket_bytes(bucket_bytes))
     params, labels = _params_of(module_or_params)
     with _REDUCERS_LOCK:
         reducers = _REDUCERS.setdefault(backend, {})
         if key not in reducers:
-            reducers[key] = _GradientReducer("allreduce_gradients", *key, None)
+            reducers[key] = GradientReducer(
+                "allreduce_gradients", *key, None, params=list, labels=list, fix=_FIX_ALLREDUCE
+            )
         reducer = reducers[key]
-    reducer.reduce(backend, params, lambda: labels)
+    reducer._params_of, reducer._labels = (lambda: params), (lambda: labels)
+    reducer.reduce(backend)
+
+
+_FIX_ALLREDUCE = "Call allreduce_gradients with the same op and bucket_bytes"
+_FIX_OPTIMIZER = "Create DistributedOptimizer with the same op, bucket_bytes and communication_dtype"
+_FIX_BACKWARD = "Call reduce_gradients_in_backward with the same op, bucket_bytes and communication_dtype"
+
+
+def default_overlap(backend: Backend) -> bool:
+    """Whether buckets go on the communication thread by default: ``DML_OVERLAP`` (1/0) if set, else
+    when the ranks span several hosts.
+
+    On one machine the ranks' cores are busy computing backward, and a thread waiting in
+    a collective competes with them for the core (MPI polls while it waits), so there the
+    buckets all go at the end of backward, from the autograd thread. Across machines the
+    network time is worth hiding behind backward.
+    """
+    forced = os.environ.get("DML_OVERLAP", "").strip().lower()
+    if forced in ("1", "true", "yes", "on"):
+        return True
+    if forced in ("0", "false", "no", "off"):
+        return False
+    hosts = getattr(backend, "hosts", None)
+    if hosts is None:
+        inner = getattr(backend, "mpi", None)
+        hosts = getattr(inner, "hosts", None)
+    return bool(hosts) and len(set(hosts)) > 1
+
+
+class BackwardReduction:
+    """What :func:`reduce_gradients_in_backward` returns: ``no_sync()``, ``remove()``."""
+
+    def __init__(self, backend: Backend, reducer: GradientReducer) -> None:
+        self._backend = backend
+        self._reducer = reducer
+        self._no_sync = False
+        reducer.skip = lambda: self._no_sync
+
+    @property
+    def overlap(self) -> bool:
+        """Whether buckets are reduced on the communication thread while backward runs."""
+        return self._reducer.overlap
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate locally; the next one outside reduces the sum once."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def remove(self) -> None:
+        """Stop reducing during backward (removes the hooks)."""
+        self._reducer.detach()
+
+
+def reduce_gradients_in_backward(
+    backend: Backend,
+    module_or_params: torch.nn.Module | Iterable[torch.Tensor],
+    op: Any = ReduceOp.AVG,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    communication_dtype: torch.dtype | None = None,
+    overlap: bool | None = None,
+) -> BackwardReduction:
+    """From now on every ``backward()`` returns with each ``.grad`` averaged (or ``op``) across ranks.
+
+    ``DistributedOptimizer``'s reduction without wrapping an optimizer, for loops that keep
+    their own (what ``DistributedDataParallel`` does to a module's gradients). Buckets are
+    reduced in a fixed order while backward runs (``overlap``, default: when the ranks span
+    several hosts) or all at its end; either way ``.grad`` is final when ``backward()``
+    returns, so clipping and AMP unscaling need no extra call. Every rank must run the
+    same number of backward passes. Use ``handle.no_sync()`` to accumulate micro-batches.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 1)
+        >>> handle = dml.reduce_gradients_in_backward(backend, model)
+        >>> model(torch.ones(2, 4)).sum().backward()  # .grad is now the average over ranks
+        >>> handle.remove()
+    """
+    check_backend(backend, "reduce_gradients_in_backward")
+    params, labels = _params_of(module_or_params)
+    if isinstance(module_or_params, torch.nn.Module):  # looked up again at each backward: changes are noticed
+        module = module_or_params
+        current: Callable[[], list[torch.Tensor]] = lambda: _params_of(module)[0]  # noqa: E731
+        names: Callable[[], list[str]] = lambda: _params_of(module)[1]  # noqa: E731
+    else:
+        current, names = (lambda: params), (lambda: labels)
+    reducer = GradientReducer(
+        "reduce_gradients_in_backward",
+        op,
+        bucket_bytes,
+        communication_dtype,
+        params=current,
+        labels=names,
+        fix=_FIX_BACKWARD,
+    )
+    reducer.attach(backend, overlap=default_overlap(backend) if overlap is None else bool(overlap))
+    return BackwardReduction(backend, reducer)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
-    """Wraps a torch optimizer: ``step()`` reduces gradients across ranks, then steps.
+    """Wraps a torch optimizer: gradients are reduced across ranks during ``backward()``, then ``step()`` steps.
+
+    When ``backward()`` returns, every ``.grad`` is already the average (or ``op``) over
+    ranks, as with torch DDP: clipping, AMP unscaling and gradient-norm logging need no
+    extra call, and ``step()`` only steps. Buckets are reduced in a fixed order, on a
+    communication thread while backward runs (``overlap``) or all at its end. Every rank
+    must run the same number of backward passes per step (as with DDP). Gradients that no
+    backward reduced (set by hand, or accumulated inside ``no_sync()``) are reduced by
+    ``step()`` or ``synchronize()``.
 
     It is a ``torch.optim.Optimizer`` itself (LR schedulers and ``isinstance`` accept
     it) and forwards ``zero_grad``, ``param_groups``, ``state``, ``state_dict``,
@@ -326,6 +227,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         communication_dtype: ``torch.bfloat16`` or ``torch.float16`` to send gradients
             in half precision (reduced in float32 where the transport cannot reduce
             halves, then cast back); None keeps each gradient's dtype.
+        overlap: reduce buckets on the communication thread while backward computes
+            (True), or all at the end of backward (False). Default: True when the ranks
+            span several hosts (network time hides behind backward), else False (on one
+            machine a waiting thread competes with backward for the cores).
+        backward_passes_per_step: reduce only every k-th backward (Horovod's option):
+            k backward passes accumulate locally, the k-th reduces their sum once.
 
     Example:
         >>> model = dml.synchronize(backend, torch.nn.Linear(4, 1))
@@ -333,7 +240,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         >>> opt = dml.synchronize(backend, opt)
         >>> opt.zero_grad()
         >>> model(torch.ones(2, 4)).sum().backward()
-        >>> opt.step()  # averages the gradients over all ranks, then steps
+        >>> opt.step()  # the gradients were averaged over all ranks in backward(); this steps
     """
 
     def __init__(
@@ -344,8 +251,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         op: Any = ReduceOp.AVG,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         communication_dtype: torch.dtype | None = None,
+        overlap: bool | None = None,
+        backward_passes_per_step: int = 1,
     ) -> None:
         check_backend(backend, "DistributedOptimizer")
+        if (
+            isinstance(backward_passes_per_step, bool)
+            or not isinstance(backward_passes_per_step, int)
+            or backward_passes_per_step < 1
+        ):
+            raise ValueError(f"backward_passes_per_step: got {backward_passes_per_step!r}; allowed: an int >= 1")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer: got {type(optimizer).__qualname__}; allowed: a torch.optim.Optimizer, "
@@ -360,14 +275,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "Use an optimizer that accepts dense gradients, e.g. torch.optim.Adam"
             )
         self._backend = backend
-        self._reducer = _GradientReducer("DistributedOptimizer", op, bucket_bytes, communication_dtype)
         self.optimizer = optimizer
-        self._synchronized = False
+        self._reducer = GradientReducer(
+            "DistributedOptimizer",
+            op,
+            bucket_bytes,
+            communication_dtype,
+            params=self._params,
+            labels=self._labels,
+            fix=_FIX_OPTIMIZER,
+        )
+        self._passes_per_step = backward_passes_per_step
+        self._passes = 0
+        self._synchronized = False  # synchronize() was called; the step has not come yet
         self._no_sync = False
-        # While a synchronize()'d step is pending: hooks noticing a backward() that accumulates
-        # into the reduced gradients, and whether one did on this rank.
-        self._late_hooks: list[Any] = []
-        self._late = False
+        self._late = False  # a backward accumulated into the gradients after synchronize()
+        self._dirty = False  # a backward accumulated gradients no reduction has covered
+        self._reduced = False  # a backward reduced the gradients since the last step / zero_grad
+        self._reducer.skip = self._skip_backward
+        self._reducer.on_reduced = self._backward_reduced
+        self._reducer.attach(backend, overlap=default_overlap(backend) if overlap is None else bool(overlap))
         # Hook tables of torch.optim.Optimizer, so register_step_pre_hook / register_step_post_hook
         # work on the wrapper (its state_dict hooks are forwarded to the wrapped optimizer, below).
         self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
@@ -429,12 +356,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a parameter group to the wrapped optimizer (every rank must add the same)."""
+        """Add a parameter group to the wrapped optimizer (every rank must add the same, in the same order).
+
+        The reduction plan is rebuilt and compared across ranks at once (a collective).
+        """
         self.optimizer.add_param_group(param_group)
+        self._reducer.plan(self._backend)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (the wrapped optimizer's ``zero_grad``)."""
         self._end_pending_step()
+        self._reducer.reset()
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def __repr__(self) -> str:
@@ -442,6 +374,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("DistributedOptimizer holds a backend and cannot be pickled; save state_dict() instead")
+
+    @property
+    def overlap(self) -> bool:
+        """Whether buckets are reduced on the communication thread while backward runs."""
+        return self._reducer.overlap
 
     # -- the distributed part ------------------------------------------------------------
 
@@ -457,38 +394,61 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if p.requires_grad
         ]
 
-    def _reduce(self, params: list[torch.Tensor]) -> None:
-        self._reducer.reduce(self._backend, params, self._labels)
+    def _reduce(self) -> None:
+        self._reducer.reduce(self._backend)
+        self._dirty = False
+
+    def _skip_backward(self) -> bool:
+        """Asked at the first gradient of each backward: True leaves this backward's gradients unreduced."""
+        if self._synchronized:  # after synchronize(): the step agrees on it and reduces again
+            self._late = True
+            return True
+        if self._no_sync:
+            self._dirty = True
+            return True
+        self._passes += 1
+        if self._passes % self._passes_per_step:
+            self._dirty = True
+            return True
+        if self._reduced and self._reducer.op is not ReduceOp.AVG:
+            raise RuntimeError(
+                f"DistributedOptimizer: a second backward() since the last step would reduce the gradients again; "
+                f"with op={self._reducer.op!r} that counts the first backward's gradients "
+                f"{self._backend.size} times. Accumulate micro-batches inside opt.no_sync() (or pass "
+                "backward_passes_per_step=k), or call opt.zero_grad() between the backward passes"
+            )
+        return False
+
+    def _backward_reduced(self) -> None:
+        self._reduced = True
+        self._dirty = False
 
     def synchronize(self) -> None:
-        """Reduce the gradients now (before clipping or AMP unscaling); ``step()`` then won't reduce again.
+        """Make sure the gradients are reduced now; ``step()`` then won't reduce again.
 
-        In-place edits of ``.grad`` between ``synchronize()`` and ``step()`` are what it is
-        for. A ``backward()`` that accumulates into the gradients in between is noticed:
+        After a ``backward()`` (outside ``no_sync()``) they already are, and this only
+        marks the step. Gradients accumulated inside ``no_sync()``, or set by hand, are
+        reduced here. A ``backward()`` between ``synchronize()`` and ``step()`` is noticed:
         with ``dml.AVG`` the gradients are reduced again at the next ``step()`` or
         ``synchronize()`` (exact: the average of avg(g1) + g2 is avg(g1) + avg(g2)) with a
         ``RuntimeWarning``; with another op that would be wrong, so every rank raises
-        ``RuntimeError``. Call ``synchronize()`` after the step's last ``backward()``.
+        ``RuntimeError``.
         """
-        params = self._params()
-        if self._synchronized and not self._reduce_again("synchronize()"):
+        if self._synchronized:
+            if not self._reduce_again("synchronize()"):
+                return
+        elif self._reduced and not self._dirty:
+            self._synchronized = True
             return
-        self._reduce(params)
+        self._reduce()
         self._synchronized = True
         self._late = False
-        if not self._late_hooks:
-            self._late_hooks = [p.register_post_accumulate_grad_hook(self._late_backward) for p in params]
-
-    def _late_backward(self, param: torch.Tensor) -> None:
-        """Autograd hook, armed after synchronize(): a backward accumulated into ``param.grad``."""
-        self._late = True
 
     def _end_pending_step(self) -> None:
         self._synchronized = False
         self._late = False
-        for handle in self._late_hooks:
-            handle.remove()
-        self._late_hooks = []
+        self._reduced = False
+        self._passes = 0
 
     def _reduce_again(self, caller: str) -> bool:
         """After synchronize(): whether any rank ran backward() since, agreed by every rank.
@@ -503,7 +463,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return False
         where = (
             f"DistributedOptimizer.{caller}: backward() accumulated into the gradients after synchronize() "
-            f"on {_ranks(ranks)}"
+            f"on {ranks_text(ranks)}"
         )
         fix = (
             "Call opt.synchronize() once per step, after the step's last backward() (accumulate micro-batches "
@@ -524,9 +484,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally: inside, ``step()`` does not reduce (like Horovod's
-        ``skip_synchronize``). Backward passes inside add up; the next ``step()`` outside
-        reduces the sum once.
+        """Accumulate gradients locally: backward passes inside are not reduced (DDP's ``no_sync``).
+
+        The next backward outside reduces the sum once; or, without one, ``step()`` or
+        ``synchronize()`` outside does.
         """
         previous, self._no_sync = self._no_sync, True
         try:
@@ -535,11 +496,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._no_sync = previous
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Reduce gradients across ranks (unless done already or inside ``no_sync``), then step.
+        """Step the wrapped optimizer on the reduced gradients.
 
-        With a ``closure`` (``torch.optim.LBFGS``), the gradients are reduced after every call
-        of the closure instead, and the loss it returns is reduced with ``op`` too, so every
-        rank takes the same decisions.
+        The gradients were reduced during ``backward()``; those no backward reduced (inside
+        ``no_sync()``, or set by hand) are reduced here first, unless inside ``no_sync()``.
+        With a ``closure`` (``torch.optim.LBFGS``), the loss it returns is reduced with
+        ``op`` too, so every rank takes the same decisions.
         """
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
@@ -547,8 +509,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._end_pending_step()
             result = self.optimizer.step(self._reducing(closure))
         else:
-            if not self._no_sync and (not self._synchronized or self._reduce_again("step()")):
-                self._reduce(self._params())
+            if self._synchronized:
+                if self._reduce_again("step()"):
+                    self._reduce()
+            elif not self._no_sync and (self._dirty or not self._reduced):
+                if self._reduced and self._reducer.op is not ReduceOp.AVG:
+                    self._end_pending_step()
+                    raise RuntimeError(
+                        f"DistributedOptimizer.step(): gradients reduced by a backward() were then accumulated "
+                        f"into inside no_sync(); with op={self._reducer.op!r} reducing them again would count the "
+                        "first ones several times, so nothing was stepped. Run the reducing backward last"
+                    )
+                self._reduce()
             self._end_pending_step()
             result = self.optimizer.step()
         for hook in list(self._optimizer_step_post_hooks.values()):
@@ -556,13 +528,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return result
 
     def _reducing(self, closure: Callable[[], Any]) -> Callable[[], Any]:
-        """``closure`` followed by the reduction of the gradients and of the loss it returns."""
+        """``closure`` followed by the reduction of the gradients (unless its backward did) and of its loss."""
 
         def reduced() -> Any:
+            self._reduced = False
             loss = closure()
             if self._no_sync:
                 return loss
-            self._reduce(self._params())
+            if self._dirty or not self._reduced:
+                self._reduce()
+            self._reduced = False
             if loss is None:
                 return None
             if isinstance(loss, torch.Tensor):

@@ -206,7 +206,7 @@ class AllreduceThenStep:
         self.opt.step()
 
 
-def train_body(backend: dml.Backend, case: TrainCase, wrapped: bool = True) -> list[float]:
+def train_body(backend: dml.Backend, case: TrainCase, wrapped: bool = True, overlap: bool | None = None) -> list[float]:
     """k steps on W ranks (each its shard, mean loss) == k steps of one model on the global batch.
 
     ``wrapped``: through DistributedOptimizer; else allreduce_gradients before a plain optimizer's step.
@@ -217,7 +217,7 @@ def train_body(backend: dml.Backend, case: TrainCase, wrapped: bool = True) -> l
     model = dml.synchronize(backend, model)
     plain = _optimizer(case.optimizer, model.parameters())
     if wrapped:
-        opt: Any = dml.DistributedOptimizer(backend, plain, bucket_bytes=case.bucket_bytes)
+        opt: Any = dml.DistributedOptimizer(backend, plain, bucket_bytes=case.bucket_bytes, overlap=overlap)
     else:
         opt = AllreduceThenStep(backend, model, plain, case.bucket_bytes)
     ref = make_model(case.seed, bn=False).double()
@@ -250,6 +250,11 @@ def train_identical_body(backend: dml.Backend, case: TrainCase) -> None:
     replicas_identical(backend, train_body(backend, case))
 
 
+def train_overlap_body(backend: dml.Backend, case: TrainCase) -> None:
+    """train_identical_body with the buckets reduced on the communication thread during backward."""
+    replicas_identical(backend, train_body(backend, case, overlap=True))
+
+
 def gradients_body(backend: dml.Backend, case: TrainCase) -> None:
     """train_identical_body with allreduce_gradients and a plain optimizer instead of DistributedOptimizer."""
     replicas_identical(backend, train_body(backend, case, wrapped=False))
@@ -270,14 +275,16 @@ class TwoBranch(torch.nn.Module):
         return out + x @ self.b if use_b else out
 
 
-def unused_parameters_body(backend: dml.Backend, seed: int) -> list[float]:
+def unused_parameters_body(backend: dml.Backend, seed: int, overlap: bool | None = None) -> list[float]:
     """A parameter unused on some ranks counts as zeros there; unused everywhere stays None."""
     rank, size = dml.local_rank(backend), dml.total_workers(backend)
     g = _gen(seed)
     x = torch.randn(size, 4, generator=g)
     for bucket_bytes in (0, 1 << 20):
         model = TwoBranch(seed)
-        opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.5), bucket_bytes=bucket_bytes)
+        opt = dml.DistributedOptimizer(
+            backend, torch.optim.SGD(model.parameters(), lr=0.5), bucket_bytes=bucket_bytes, overlap=overlap
+        )
         opt.zero_grad()
         model(x[rank : rank + 1], use_b=rank % 2 == 1).sum().backward()
         opt.step()
@@ -292,7 +299,9 @@ def unused_parameters_body(backend: dml.Backend, seed: int) -> list[float]:
 
 
 def accumulation_body(backend: dml.Backend, seed: int) -> None:
-    """no_sync accumulates locally and the next step reduces once; synchronize() then step reduces once."""
+    """Accumulating micro-batches reduces their sum once: no_sync then a reducing backward (DDP), all inside
+    no_sync then synchronize() or step(), backward_passes_per_step (Horovod); op=SUM shows a double reduction,
+    and a second reducing backward under SUM is refused."""
     rank, size = dml.local_rank(backend), dml.total_workers(backend)
     g = _gen(seed)
     xs = torch.randn(2, size, 3, generator=g, dtype=torch.float64)
@@ -305,21 +314,45 @@ def accumulation_body(backend: dml.Backend, seed: int) -> None:
     with torch.no_grad():
         for p in ref.parameters():
             p.sub_(0.1 * p.grad)
-    for style in ("no_sync", "synchronize"):
+
+    def backward(m: int) -> None:
+        torch.nn.functional.mse_loss(model(xs[m, rank : rank + 1]), ys[m, rank : rank + 1]).backward()
+
+    for style in ("no_sync", "synchronize", "no_sync_step", "passes", "twice"):
         model = make_model(seed, bn=False).double()
-        opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1), op=dml.SUM)
+        passes = 2 if style == "passes" else 1
+        opt = dml.DistributedOptimizer(
+            backend, torch.optim.SGD(model.parameters(), lr=0.1), op=dml.SUM, backward_passes_per_step=passes
+        )
         opt.zero_grad()
-        if style == "no_sync":
+        if style == "no_sync":  # DDP's way: the last backward, outside, reduces the sum
             with opt.no_sync():
-                torch.nn.functional.mse_loss(model(xs[0, rank : rank + 1]), ys[0, rank : rank + 1]).backward()
-            torch.nn.functional.mse_loss(model(xs[1, rank : rank + 1]), ys[1, rank : rank + 1]).backward()
+                backward(0)
+            backward(1)
             opt.step()
-        else:
-            for m in range(2):
-                torch.nn.functional.mse_loss(model(xs[m, rank : rank + 1]), ys[m, rank : rank + 1]).backward()
-            opt.synchronize()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # what synchronize() is for
+        elif style in ("synchronize", "no_sync_step"):  # all inside; synchronize() or step() reduces
+            with opt.no_sync():
+                backward(0)
+                backward(1)
+            if style == "synchronize":
+                opt.synchronize()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
             opt.step()
+        elif style == "passes":  # Horovod's backward_passes_per_step
+            backward(0)
+            backward(1)
+            opt.step()
+        else:  # a second reducing backward under SUM would count the first one W times: every rank refuses
+            backward(0)
+            try:
+                backward(1)
+            except RuntimeError as e:
+                assert "a second backward() since the last step" in str(e), str(e)
+            else:
+                raise AssertionError("no error for a second reducing backward under SUM")
+            continue
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-9, msg=style)
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-9, msg=style)
 
@@ -367,7 +400,7 @@ def late_backward_body(backend: dml.Backend, seed: int) -> list[str]:
     """A backward() between synchronize() and step() (or a second synchronize()) is reduced again with a
     RuntimeWarning under AVG, on every rank, also when only one rank ran it; under SUM every rank raises and
     nothing steps; a synchronize() without a backward after the first one reduces nothing; in-place edits
-    between synchronize() and step() are no backward; once the step is done no hook is left on the parameters.
+    between synchronize() and step() are no backward; steps add no hooks (one reduction hook per parameter).
 
     Returns the fragments of the RuntimeWarnings this rank must have emitted, in order: warnings are
     process-wide, so the caller records them (see ``check_warnings``).
@@ -396,9 +429,8 @@ def late_backward_body(backend: dml.Backend, seed: int) -> list[str]:
     def check(model: torch.nn.Module, pairs: list[tuple[int, int]], scale: float, what: str) -> None:
         for p, q in zip(model.parameters(), _expected_after_sgd(seed, xs, ys, pairs, scale), strict=True):
             torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12, msg=f"rank {rank}: {what}")
-        assert not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters()), (
-            f"{what}: hooks left on the parameters after the step"
-        )
+        hooks = [len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters()]
+        assert hooks == [1] * len(hooks), f"{what}: one reduction hook per parameter, none added per step: {hooks}"
 
     for bucket_bytes in (0, 1 << 20):  # gradients reduced in place / as bucket views
         # Every rank runs a second backward after synchronize(); clipping in between is no backward.

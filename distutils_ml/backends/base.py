@@ -96,16 +96,27 @@ class Backend(abc.ABC):
     def __init__(self) -> None:
         # Held by the thread inside a public collective (re-entrant: composite calls nest).
         self._entry = threading.RLock()
+        # The communication thread (distutils_ml.commthread), its queued and running jobs, and
+        # whether it holds _entry now.
+        self._comm: Any = None
+        self._comm_pending = 0
+        self._comm_holds = False
 
     def _enter(self, caller: str) -> None:
         """Claim this backend for the calling thread, or raise if another thread is inside a collective.
 
         Two threads calling collectives on one backend would have their messages paired up
         differently on different ranks (silent corruption), so the second one is refused
-        before it sends anything. Pair every successful call with :meth:`_leave`.
+        before it sends anything. The communication thread is the exception: a collective
+        waits for the jobs queued on it (gradient buckets), so it leaves after them, as the
+        program ordered it on every rank. Pair every successful call with :meth:`_leave`.
         """
+        if self._comm_pending and threading.get_ident() != self._comm.ident:
+            self._comm.wait(errors=False)
         if not self._entry.acquire(blocking=False):
-            raise busy(self, caller)
+            if not self._comm_holds:
+                raise busy(self, caller)
+            self._entry.acquire()
 
     def _leave(self) -> None:
         self._entry.release()

@@ -1,0 +1,588 @@
+"""Gradient buckets, reduced after backward or during it (``GradientReducer``).
+
+How gradients travel (chosen by measurement on CPU, see docs/benchmarks): a gradient of
+at least ``bucket_bytes`` is its own bucket, reduced in place in ``.grad``, zero-copy (the
+backend cuts it into segments); smaller gradients share flat buckets of about
+``bucket_bytes`` per dtype and device. After a reduction each small parameter's ``.grad``
+*is* its slice of a bucket (as with DDP's ``gradient_as_bucket_view``): when gradients
+are kept between steps backward adds into the bucket and nothing is copied; a fresh
+gradient is copied in once and replaced by its slice.
+
+Buckets follow the parameters in reverse order (roughly the order backward produces
+their gradients), fixed when the plan is built and identical on every rank, and are
+always reduced in that order. During backward (``attach``) a bucket is reduced as soon
+as all its gradients have been accumulated (``register_post_accumulate_grad_hook``) and
+every bucket before it has gone; the autograd engine's final callback sends what is
+left (buckets whose parameters got no gradient on this rank) and waits, so when
+``backward()`` returns every ``.grad`` is the reduced one. With ``overlap`` the buckets
+go on the backend's communication thread (:mod:`distutils_ml.commthread`) while
+backward goes on; without it they all go from the final callback.
+
+The last bucket carries a small header: one flag per parameter (which ranks have a
+gradient: a parameter whose ``.grad`` is None on some ranks counts as zeros there, one
+whose ``.grad`` is None on every rank stays None), whether a rank found its parameters
+changed since the plan was built, and in which order each rank's buckets became ready.
+So those checks cost no extra message, and each ends in the same error on every rank.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from distutils_ml.backends.base import Backend, ReduceOp, resolve_op
+from distutils_ml.collectives import allgather, allreduce
+from distutils_ml.commthread import comm_thread
+from distutils_ml.objects import allgather_object, digest
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "GradientReducer"]
+
+DEFAULT_BUCKET_BYTES = 256 * 1024
+_COMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SETTINGS = ("op", "communication_dtype", "bucket_bytes", "parameters")
+_HALVES = (torch.float16, torch.bfloat16)
+
+
+def check_bucket_bytes(bucket_bytes: Any) -> int:
+    """``bucket_bytes`` if it is an int >= 0, else ``ValueError``."""
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
+        raise ValueError(f"bucket_bytes: got {bucket_bytes!r}; allowed: an int >= 0")
+    return bucket_bytes
+
+
+def check_communication_dtype(dtype: Any) -> torch.dtype | None:
+    """``dtype`` if it is None or a floating-point torch dtype, else ``ValueError``."""
+    if dtype is not None and dtype not in _COMM_DTYPES:
+        raise ValueError(
+            f"communication_dtype: got {dtype!r}; allowed: None, torch.float16, torch.bfloat16, "
+            "torch.float32 or torch.float64"
+        )
+    return dtype
+
+
+@dataclass
+class _Bucket:
+    """Parameters reduced in one collective: one large gradient in place (``direct``), or flat slices of ``flat``."""
+
+    params: list[int]
+    direct: bool
+    flat: torch.Tensor | None = None
+    # (parameter index, its flat slice of the bucket, that slice shaped like the parameter)
+    slots: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    head: int = 0  # elements of header at the start of flat (the last bucket only)
+
+
+@dataclass
+class _Round:
+    """One reduction: which parameters fired, which buckets are ready and which have gone."""
+
+    task: int
+    waiting: list[int]  # per bucket: parameters not yet accumulated
+    ready_at: list[int]  # per bucket: position in the order buckets became ready; -1: not by hooks
+    has: list[bool]  # per parameter: this rank had a gradient when its bucket went
+    allocated: list[int] = field(default_factory=list)  # parameters given zeros to send
+    fired: set[int] = field(default_factory=set)
+    ready: int = 0
+    sent: int = 0
+    changed: bool = False
+    events: list[Any] = field(default_factory=list)
+
+
+class GradientReducer:
+    """Reduces the gradients of ``params()`` across ranks in fixed-order buckets, after or during backward.
+
+    ``params`` returns the parameters (the same list, in the same order, on every rank);
+    ``labels`` names them for error messages. ``reduce()`` reduces now; ``attach()`` makes
+    every ``backward()`` reduce before it returns, until ``detach()``. ``skip`` (when
+    attached) tells whether the current backward only accumulates locally (``no_sync``).
+    """
+
+    def __init__(
+        self,
+        caller: str,
+        op: Any,
+        bucket_bytes: int,
+        communication_dtype: torch.dtype | None,
+        *,
+        params: Callable[[], list[torch.Tensor]],
+        labels: Callable[[], list[str]],
+        fix: str,
+    ) -> None:
+        self.caller = caller
+        self.op = resolve_op(op)
+        self.bucket_bytes = check_bucket_bytes(bucket_bytes)
+        self.comm_dtype = check_communication_dtype(communication_dtype)
+        self._params_of = params
+        self._labels = labels
+        self._fix = fix
+        # The header counts ranks holding a gradient: SUM/AVG/MAX keep "somebody has one" > 0.
+        self._head_op = ReduceOp.MAX if self.op in (ReduceOp.PROD, ReduceOp.MIN) else self.op
+        self._plan_key: tuple | None = None
+        self._params: list[torch.Tensor] = []
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: list[int] = []
+        self._index: dict[int, int] = {}
+        self._round: _Round | None = None
+        self._hooks: list[Any] = []
+        self._lock = threading.Lock()
+        self.backend: Backend | None = None
+        self.overlap = False
+        #: asked at the first hook of each backward: True leaves its gradients unreduced (``no_sync``)
+        self.skip: Callable[[], bool] = lambda: False
+        #: called after each reduction that ran during a backward
+        self.on_reduced: Callable[[], None] = lambda: None
+        self._skipped_task = -1
+
+    # -- the plan ------------------------------------------------------------------------
+
+    def _key(self, params: list[torch.Tensor]) -> tuple:
+        return tuple((id(p), p.dtype, p.shape, p.device) for p in params)
+
+    def plan(self, backend: Backend) -> None:
+        """Build the buckets for the current parameters (and compare the configuration across ranks)."""
+        params = self._params_of()
+        key = self._key(params)
+        if key == self._plan_key:
+            return
+        for p in params:
+            if p.is_sparse or p.layout != torch.strided:
+                raise TypeError(f"{self.caller}: sparse parameters are not supported; use dense tensors")
+            if not p.dtype.is_floating_point:
+                raise TypeError(f"{self.caller}: parameter of dtype {p.dtype}; gradients must be floating point")
+        self._agree(backend, params)
+        self._build(params)
+        self._plan_key = key
+        if self._hooks:
+            self._hook_params()
+
+    def _wire(self, p: torch.Tensor) -> tuple[torch.dtype, torch.device]:
+        return self.comm_dtype or p.dtype, p.device
+
+    def _build(self, params: list[torch.Tensor]) -> None:
+        n = len(params)
+        groups: list[tuple[bool, tuple[torch.dtype, torch.device] | None, list[int]]] = []
+        open_: dict[tuple[torch.dtype, torch.device], tuple[list[int], list[int]]] = {}  # key -> (members, bytes)
+        closing: list[tuple[int, tuple[torch.dtype, torch.device], list[int]]] = []  # (position, key, members)
+
+        for i in reversed(range(n)):
+            p = params[i]
+            key = self._wire(p)
+            nbytes = p.numel() * key[0].itemsize
+            if nbytes >= self.bucket_bytes and key[0] == p.dtype:
+                groups.append((True, None, [i]))
+                continue
+            members, size = open_.setdefault(key, ([], [0]))
+            members.append(i)
+            size[0] += nbytes
+            if size[0] >= self.bucket_bytes:
+                del open_[key]
+                groups.append((False, key, members))
+        for key, (members, _) in open_.items():  # placed where their last (earliest) parameter is
+            closing.append((min(members), key, members))
+        for _, key, members in sorted(closing, key=lambda c: -c[0]):
+            groups.append((False, key, members))
+        # The header travels in the last bucket sent: the last flat bucket, moved to the end (or a bucket of its own).
+        flat_positions = [k for k, g in enumerate(groups) if not g[0]]
+        if flat_positions:
+            groups.append(groups.pop(flat_positions[-1]))
+            head_key = groups[-1][1]
+        else:
+            head_key = (self.comm_dtype or torch.float32, params[0].device if params else torch.device("cpu"))
+            groups.append((False, head_key, []))
+        assert head_key is not None
+        self._head_dtype = head_key[0]
+        self._levels = 4 if head_key[0] in _HALVES else 16
+        head = n + 1 + 3 * len(groups)
+        buckets = []
+        for k, (direct, key, members) in enumerate(groups):
+            if direct:
+                buckets.append(_Bucket(members, True))
+                continue
+            assert key is not None
+            extra = head if k == len(groups) - 1 else 0
+            flat = torch.zeros(extra + sum(params[i].numel() for i in members), dtype=key[0], device=key[1])
+            bucket = _Bucket(members, False, flat, head=extra)
+            offset = extra
+            for i in members:
+                size = params[i].numel()
+                part = flat[offset : offset + size]
+                offset += size
+                bucket.slots.append((i, part, part.view(params[i].shape)))
+            buckets.append(bucket)
+        self._params = params
+        self._buckets = buckets
+        self._bucket_of = [0] * n
+        for k, b in enumerate(buckets):
+            for i in b.params:
+                self._bucket_of[i] = k
+        self._index = {id(p): i for i, p in enumerate(params)}
+
+    def _settings(self, params: list[torch.Tensor]) -> tuple[str, ...]:
+        shapes = [f"{tuple(p.shape)} {p.dtype} {p.device.type}" for p in params]
+        return repr(self.op), repr(self.comm_dtype), repr(self.bucket_bytes), repr(shapes)
+
+    def _agree(self, backend: Backend, params: list[torch.Tensor]) -> None:
+        """Raise ``ValueError`` on every rank unless every rank has the same configuration."""
+        settings = self._settings(params)
+        mine = np.array([digest(s) for s in settings], dtype=np.int64)
+        every = np.empty((backend.size, mine.size), dtype=np.int64)
+        allgather(backend, mine, every)
+        if (every == every[0]).all():
+            return
+        values = allgather_object(
+            backend, (self.op, self.comm_dtype, self.bucket_bytes, _describe(params, self._labels()))
+        )
+        lines = []
+        for k, name in enumerate(_SETTINGS):
+            if (every[:, k] != every[0, k]).any():
+                column = [v[k] for v in values]
+                lines.append(_parameters_difference(column) if name == "parameters" else _by_rank(name, column))
+        raise ValueError(
+            f"{self.caller}: the ranks are configured differently: {'; '.join(lines)}. {self._fix}, over the "
+            "same parameters in the same order (same shapes, dtypes and device types), on every rank"
+        )
+
+    # -- reduce now ------------------------------------------------------------------------
+
+    def reduce(self, backend: Backend) -> None:
+        """Make every parameter's ``.grad`` the ``op`` of all ranks' gradients now (a sparse one becomes dense)."""
+        backend._enter(self.caller)  # one thread at a time: the reduction is several collectives
+        try:
+            self.plan(backend)
+            state = self._new_round(-1)
+            self._flush(backend, state, overlap=False)
+            self._finish(backend, state)
+        finally:
+            backend._leave()
+
+    # -- during backward -------------------------------------------------------------------
+
+    def attach(self, backend: Backend, *, overlap: bool) -> None:
+        """Reduce during every ``backward()`` from now on (hooks on the parameters); ``overlap``: on the thread."""
+        self.backend = backend
+        self.overlap = overlap
+        self._hook_params()
+
+    def _hook_params(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        params = self._params if self._plan_key is not None else self._params_of()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+        if self._plan_key is None:
+            self._index = {id(p): i for i, p in enumerate(params)}
+
+    def detach(self) -> None:
+        """Stop reducing during backward (removes the hooks)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a backward's reduction has started and not finished."""
+        return self._round is not None
+
+    def _new_round(self, task: int) -> _Round:
+        nb = len(self._buckets)
+        return _Round(
+            task=task,
+            waiting=[len(b.params) for b in self._buckets],
+            ready_at=[-1] * nb,
+            has=[False] * len(self._params),
+        )
+
+    def _hook(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: ``param.grad`` holds this backward's gradient."""
+        backend = self.backend
+        assert backend is not None
+        task = torch._C._current_graph_task_id()
+        state = self._round
+        if state is not None and state.task != task:
+            self._second_backward(backend)
+        if state is None:
+            if self._skipped_task == task:
+                return
+            if self.skip():  # decided once per backward
+                self._skipped_task = task
+                return
+            state = self._start(backend, task)
+        i = self._index.get(id(param))
+        if i is None or self._params[i] is not param:  # a parameter of another plan: the set changed
+            state.changed = True
+            return
+        if i in state.fired:
+            return
+        state.fired.add(i)
+        k = self._bucket_of[i]
+        state.waiting[k] -= 1
+        if state.waiting[k] == 0:
+            state.ready_at[k] = state.ready
+            state.ready += 1
+            if self.overlap:
+                self._send_ready(backend, state)
+
+    def _start(self, backend: Backend, task: int) -> _Round:
+        """The first hook of a backward: check the parameters, plan, queue the final callback."""
+        current = self._params_of()
+        changed = self._plan_key is not None and self._key(current) != self._plan_key
+        if self._plan_key is None:
+            self.plan(backend)
+        state = self._round = self._new_round(task)
+        state.changed = changed
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        return state
+
+    def _second_backward(self, backend: Backend) -> None:
+        state = self._round
+        assert state is not None
+        if backend._comm is not None:
+            backend._comm.wait(errors=False)
+        self._round = None
+        raise RuntimeError(
+            f"{self.caller}: a second backward() started before the gradients of the previous one were reduced "
+            f"(it {'was interrupted' if state.sent < len(self._buckets) else 'has not finished'}: "
+            f"{state.sent} of {len(self._buckets)} buckets sent). Gradients are reduced before backward() "
+            "returns; run one backward at a time on one thread, and after a backward that raised, clear the "
+            "gradients (zero_grad()) before the next one"
+        )
+
+    def _end_of_backward(self) -> None:
+        """Final callback of the autograd engine: send what is left, wait, finish."""
+        backend, state = self.backend, self._round
+        if backend is None or state is None:
+            return
+        try:
+            if self.overlap:
+                self._flush(backend, state, overlap=True)
+            else:
+                backend._enter(self.caller)
+                try:
+                    self._flush(backend, state, overlap=False)
+                finally:
+                    backend._leave()
+            self._finish(backend, state)
+        finally:
+            self._round = None
+        self.on_reduced()
+
+    def reset(self) -> None:
+        """Forget a reduction a failed backward left unfinished (after its sent buckets have gone)."""
+        if self._round is not None and self.backend is not None and self.backend._comm is not None:
+            self.backend._comm.wait(errors=False)
+        self._round = None
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def _send_ready(self, backend: Backend, state: _Round) -> None:
+        """Send, in bucket order, every bucket that is ready and has only sent buckets before it."""
+        while state.sent < len(self._buckets) and state.waiting[state.sent] == 0:
+            self._send(backend, state, state.sent, overlap=True)
+
+    def _flush(self, backend: Backend, state: _Round, *, overlap: bool) -> None:
+        """Send every bucket not sent yet, in order (their missing gradients count as zeros), then wait."""
+        while state.sent < len(self._buckets):
+            self._send(backend, state, state.sent, overlap=overlap)
+        if overlap:
+            comm_thread(backend).wait()
+            for event in state.events:  # the next kernels on the autograd stream see the reduced gradients
+                torch.cuda.current_stream().wait_event(event)
+
+    def _send(self, backend: Backend, state: _Round, k: int, *, overlap: bool) -> None:
+        bucket = self._buckets[k]
+        state.sent += 1
+        if bucket.direct:
+            i = bucket.params[0]
+            p = self._params[i]
+            g = p.grad
+            state.has[i] = g is not None
+            if g is None:
+                p.grad = g = torch.zeros_like(p)
+                state.allocated.append(i)
+            elif g.layout != torch.strided:
+                p.grad = g = g.to_dense()
+            elif not g.is_contiguous():
+                p.grad = g = g.contiguous()
+            tensor = g
+        else:
+            for i, flat, shaped in bucket.slots:
+                g = self._params[i].grad
+                state.has[i] = g is not None
+                if g is None:
+                    flat.zero_()
+                elif g.layout != torch.strided:
+                    shaped.copy_(g.to_dense())
+                elif not _is_slice(g, flat):
+                    flat.copy_(g.reshape(-1))
+            if bucket.head:
+                self._write_head(state, bucket)
+            assert bucket.flat is not None
+            tensor = bucket.flat
+        if not overlap:
+            self._allreduce(backend, bucket, tensor)
+            return
+        job = self._job(backend, bucket, tensor, state)
+        comm_thread(backend).submit(job)
+
+    def _job(self, backend: Backend, bucket: _Bucket, tensor: torch.Tensor, state: _Round) -> Callable[[], None]:
+        if not tensor.is_cuda:
+            return lambda: self._allreduce(backend, bucket, tensor)
+        # The gradient kernels run on the autograd stream: the bucket goes on a stream of its own after them.
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(tensor.device))
+        stream = _comm_stream(tensor.device)
+        done = torch.cuda.Event()
+        state.events.append(done)
+
+        def run() -> None:
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                tensor.record_stream(stream)
+                self._allreduce(backend, bucket, tensor)
+                done.record(stream)
+
+        return run
+
+    def _allreduce(self, backend: Backend, bucket: _Bucket, tensor: torch.Tensor) -> None:
+        if bucket.head and self._head_op is not self.op:
+            allreduce(backend, tensor[: bucket.head], self._head_op)
+            if tensor.numel() > bucket.head:
+                allreduce(backend, tensor[bucket.head :], self.op)
+        else:
+            allreduce(backend, tensor, self.op)
+
+    # -- the header ------------------------------------------------------------------------
+
+    def _write_head(self, state: _Round, bucket: _Bucket) -> None:
+        """Flags, the changed mark and each bucket's ready position, at the start of the last bucket."""
+        n, nb, levels = len(self._params), len(self._buckets), self._levels
+        values = np.zeros(bucket.head, dtype=np.float64)
+        values[:n] = state.has
+        values[n] = 1.0 if state.changed else 0.0
+        order = values[n + 1 :].reshape(nb, 3)
+        for k, at in enumerate(state.ready_at):
+            ready = at >= 0 and state.task >= 0
+            q = at % levels if ready else 0
+            if self._head_op is ReduceOp.MAX:  # not ready somewhere, highest and (levels-1 - lowest) position
+                order[k] = (0.0, q, levels - 1 - q) if ready else (1.0, 0.0, 0.0)
+            else:  # ready count, sum and sum of squares of the positions
+                order[k] = (1.0, q, q * q) if ready else (0.0, 0.0, 0.0)
+        assert bucket.flat is not None
+        bucket.flat[: bucket.head].copy_(torch.from_numpy(values))
+
+    def _finish(self, backend: Backend, state: _Round) -> None:
+        """After every bucket: gradients in place, None where no rank had one; the header's checks."""
+        head_bucket = self._buckets[-1]
+        assert head_bucket.flat is not None
+        n, nb = len(self._params), len(self._buckets)
+        head = head_bucket.flat[: head_bucket.head].double().cpu().numpy()
+        somebody = head[:n] > 0
+        for i in state.allocated:
+            if not somebody[i]:
+                self._params[i].grad = None
+        for bucket in self._buckets:
+            for i, flat, shaped in bucket.slots:
+                if not somebody[i]:
+                    continue
+                p = self._params[i]
+                g = p.grad
+                if shaped.dtype != p.dtype:  # compressed on the wire: cast back
+                    if g is None or g.layout != torch.strided:
+                        p.grad = shaped.to(p.dtype, copy=True)
+                    else:
+                        g.copy_(shaped)
+                elif g is None or g.layout != torch.strided or not _is_slice(g, flat):
+                    p.grad = shaped  # from now on backward accumulates straight into the bucket
+        if head[n] > 0:
+            raise RuntimeError(
+                f"{self.caller}: the parameters changed after the reduction plan was built (a parameter was "
+                "added, removed, replaced or had requires_grad switched) on at least one rank; this backward "
+                "reduced the old parameters only. Create the wrapper again after changing the model (for "
+                "DistributedOptimizer, add parameters with its add_param_group), on every rank"
+            )
+        if state.task >= 0:
+            self._check_order(backend, head[n + 1 :].reshape(nb, 3))
+
+    def _check_order(self, backend: Backend, order: np.ndarray) -> None:
+        """Raise on every rank if the buckets became ready in different orders (every rank's hooks fired)."""
+        size = backend.size
+        order = order[[k for k, b in enumerate(self._buckets) if b.params]]  # not the header's own bucket
+        if self._head_op is ReduceOp.MAX:
+            if (order[:, 0] > 0).any():
+                return
+            differs = order[:, 1] != (self._levels - 1 - order[:, 2])
+        else:
+            count = order[:, 0] * (size if self.op is ReduceOp.AVG else 1)
+            if not np.allclose(count, size):
+                return
+            mean = order[:, 1] / order[:, 0]
+            var = order[:, 2] / order[:, 0] - mean * mean
+            differs = var > 1e-3
+        if differs.any():
+            k = [k for k, b in enumerate(self._buckets) if b.params][int(np.flatnonzero(differs)[0])]
+            labels = self._labels()
+            names = [labels[i] for i in self._buckets[k].params][:3]
+            raise RuntimeError(
+                f"{self.caller}: the gradients became ready in a different order on different ranks (bucket {k} "
+                f"of {len(self._buckets)}, holding {', '.join(names)}): the ranks run different models or "
+                "different code paths with all parameters used. Every rank must run the same model; parameters "
+                "that some ranks do not use are allowed"
+            )
+
+
+_STREAMS: dict[Any, Any] = {}
+
+
+def _comm_stream(device: torch.device) -> Any:
+    """The CUDA stream buckets are reduced on, one per device."""
+    stream = _STREAMS.get(device)
+    if stream is None:
+        stream = _STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
+def _describe(params: list[torch.Tensor], labels: list[str]) -> list[tuple[str, str]]:
+    """(name, description) of each parameter, for the message naming a difference."""
+    return [(label, f"{tuple(p.shape)} {p.dtype} on {p.device.type}") for p, label in zip(params, labels, strict=True)]
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """'rank 3' or 'ranks [1, 2]'."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+def _grouped(column: list[Any]) -> str:
+    """``column[r]`` is rank r's value: 'v1 on rank(s) [..], v2 on rank(s) [..]'."""
+    groups: dict[str, list[int]] = {}
+    for r, v in enumerate(column):
+        groups.setdefault(repr(v) if not isinstance(v, str) else v, []).append(r)
+    return ", ".join(f"{v} on {ranks_text(rs)}" for v, rs in groups.items())
+
+
+def _by_rank(name: str, column: list[Any]) -> str:
+    return f"{name} is {_grouped(column)}"
+
+
+def _parameters_difference(column: list[list[tuple[str, str]]]) -> str:
+    """Where the parameter lists of the ranks differ: their counts, then the first differing position."""
+    parts = []
+    counts = [len(c) for c in column]
+    if len(set(counts)) > 1:
+        parts.append(f"the number of parameters is {_grouped(counts)}")
+    differing = [i for i in range(min(counts)) if len({c[i] for c in column}) > 1]
+    if differing:
+        i = differing[0]
+        names = {c[i][0] for c in column}
+        shown = [c[i][1] for c in column] if len(names) == 1 else [f"{c[i][0]} {c[i][1]}" for c in column]
+        label = f" ({column[0][i][0]})" if len(names) == 1 else ""
+        parts.append(f"parameter {i}{label} is {_grouped(shown)} ({len(differing)} position(s) differ in all)")
+    return "; ".join(parts)
+
+
+def _is_slice(grad: torch.Tensor, flat: torch.Tensor) -> bool:
+    """Whether ``grad`` is already the bucket slice ``flat`` (then nothing needs copying)."""
+    return grad.data_ptr() == flat.data_ptr() and grad.dtype == flat.dtype and grad.is_contiguous()

@@ -1,0 +1,96 @@
+"""Reduction during backward (distutils_ml/reducer.py, commthread.py): LocalBackend.spawn and mpiexec."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reducer_bodies import (
+    GradCase,
+    buffers_body,
+    collective_in_backward_body,
+    errors_body,
+    grad_cases,
+    grads_ready_body,
+)
+
+import distutils_ml as dml
+
+from mpirun import requires_mpi, run_mpi
+from train_bodies import TrainCase, train_cases, train_overlap_body, unused_parameters_body
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=grad_cases(), world=st.integers(1, 3))
+def test_grad_is_reduced_when_backward_returns(case: GradCase, world: int) -> None:
+    dml.LocalBackend.spawn(world, grads_ready_body, case, timeout=60)
+
+
+@settings(max_examples=15, deadline=None)
+@given(case=train_cases(), world=st.integers(1, 3))
+def test_training_with_overlap_equals_the_big_batch(case: TrainCase, world: int) -> None:
+    dml.LocalBackend.spawn(world, train_overlap_body, case, timeout=60)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_unused_parameters_never_hang_with_overlap(world: int) -> None:
+    dml.LocalBackend.spawn(world, unused_parameters_body, 2, True, timeout=60)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_errors_are_raised_on_every_rank(world: int, overlap: bool) -> None:
+    seen = dml.LocalBackend.spawn(world, errors_body, overlap, timeout=60)
+    assert all(s == seen[0] for s in seen) and len(seen[0]) == (3 if world > 1 else 2), seen
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_collective_in_backward_is_ordered_with_the_buckets(world: int, overlap: bool) -> None:
+    dml.LocalBackend.spawn(world, collective_in_backward_body, overlap, timeout=60)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_buffers_are_broadcast_with_reduction_in_backward(world: int, overlap: bool) -> None:
+    dml.LocalBackend.spawn(world, buffers_body, overlap, timeout=60)
+
+
+def test_one_thread_per_backend_and_hooks_stay_one_per_parameter() -> None:
+    def fn(b: dml.Backend) -> int:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        opt = dml.DistributedOptimizer(b, torch.optim.SGD(model.parameters(), lr=0.1), overlap=True)
+        other = dml.reduce_gradients_in_backward(b, torch.nn.Linear(2, 2), overlap=True)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.ones(1, 3)).sum().backward()
+            opt.step()
+        assert all(len(p._post_accumulate_grad_hooks) == 1 for p in model.parameters())
+        other.remove()
+        return id(b._comm)
+
+    ids = dml.LocalBackend.spawn(2, fn)
+    assert len(set(ids)) == 2  # one per rank's backend, shared by the wrappers of that backend
+
+
+def test_bad_arguments_raise_before_communication() -> None:
+    b = dml.LocalBackend()
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        dml.DistributedOptimizer(b, torch.optim.SGD(model.parameters(), lr=0.1), backward_passes_per_step=0)
+    with pytest.raises(TypeError, match="first argument must be a backend"):
+        dml.reduce_gradients_in_backward(model, model)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="communication_dtype"):
+        dml.reduce_gradients_in_backward(b, model, communication_dtype=torch.int8)
+
+
+@requires_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_reducer_job_under_mpiexec(ranks: int) -> None:
+    job = run_mpi(ranks, ["tests/reducer_job.py"], timeout=300)
+    assert job.returncode == 0, job.output[-8000:]
+    checks = "grads_ready errors collective_in_backward buffers train_overlap unused_overlap"
+    assert f"REDUCER CHECKS PASSED: {checks} on {ranks} ranks" in job.output, job.output[-8000:]
+    for check in checks.split():
+        assert job.output.count(f"check {check} passed") == ranks, job.output[-8000:]
