@@ -12,10 +12,9 @@ import signal
 import sys
 import time
 
-import reducer_bodies
-
 import distutils_ml as dml
 
+import reducer_bodies
 import train_bodies
 from mpi_main import guarded, hypothesis_check
 

@@ -6,6 +6,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import distutils_ml as dml
+
+from mpirun import requires_mpi, run_mpi
 from reducer_bodies import (
     GradCase,
     buffers_body,
@@ -14,10 +18,6 @@ from reducer_bodies import (
     grad_cases,
     grads_ready_body,
 )
-
-import distutils_ml as dml
-
-from mpirun import requires_mpi, run_mpi
 from train_bodies import TrainCase, train_cases, train_overlap_body, unused_parameters_body
 
 
