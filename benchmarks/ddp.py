@@ -58,7 +58,8 @@ import common
 
 BASE = "ddp_gloo"
 LOOPS = ("naive_mpi4py", "gradview_mpi4py_chunk4M")
-CONTENDERS = ("ideal_local", "ddp_gloo", "naive_mpi4py", "gradview_mpi4py_chunk4M", "dml")
+CONTENDERS = ("ideal_local", "ddp_gloo", "naive_mpi4py", "gradview_mpi4py_chunk4M", "dml_after", "dml")
+EXTRA_CONTENDERS = ("dml_overlap", "dml_end")  # with --only: DistributedOptimizer with overlap=True / False
 # name -> Linear widths, ReLU between (none after the last); the models of shared/bench/ddp_peers.py.
 MODELS: dict[str, list[int]] = {
     "mlp2m": [784, 1024, 1024, 10],  # 1.86 M params, 6 tensors
@@ -251,9 +252,23 @@ def make_trainer(world: World, name: str, make: Callable[[], tuple[Any, Any]]) -
 
         return Trainer(step_gradview, model, note=f"{len(chunks)} Allreduce/step")
 
-    if name == "dml" or name.startswith("dml_bb"):
+    if name == "dml_after":  # the reduction after backward, in step (DistributedOptimizer before issue 13)
         dml, backend = world.dml_backend()
-        kw = {} if name == "dml" else {"bucket_bytes": common.parse_bytes(name.removeprefix("dml_bb"))}
+
+        def step_after(b: Batch) -> None:
+            fwd_bwd(b.x_local, b.y_local)
+            dml.allreduce_gradients(backend, model)
+            opt.step()
+
+        return Trainer(step_after, model, note="allreduce_gradients, then step")
+
+    if name in ("dml", "dml_overlap", "dml_end") or name.startswith("dml_bb"):
+        dml, backend = world.dml_backend()
+        kw: dict[str, Any] = {}
+        if name.startswith("dml_bb"):
+            kw["bucket_bytes"] = common.parse_bytes(name.removeprefix("dml_bb"))
+        elif name != "dml":
+            kw["overlap"] = name == "dml_overlap"
         dopt = dml.DistributedOptimizer(backend, opt, **kw)
         spent = [0.0]
         reducer = getattr(dopt, "_reducer", None)  # private: only to time the reduction inside step()
@@ -276,7 +291,7 @@ def make_trainer(world: World, name: str, make: Callable[[], tuple[Any, Any]]) -
 
         bb = getattr(reducer, "bucket_bytes", None)
         seg = getattr(backend, "segment_bytes", None)
-        return Trainer(step_dml, model, note=f"bucket_bytes={bb}, segment_bytes={seg}")
+        return Trainer(step_dml, model, note=f"bucket_bytes={bb}, segment_bytes={seg}, overlap={dopt.overlap}")
 
     raise ValueError(f"unknown contender {name!r}")
 
@@ -505,10 +520,11 @@ def main(argv: list[str] | None = None) -> int:
         names = list(CONTENDERS)
         if args.only:
             want = [s.strip() for s in args.only.split(",") if s.strip()]
-            unknown = set(want) - set(CONTENDERS)
+            known = [*CONTENDERS, *EXTRA_CONTENDERS]
+            unknown = set(want) - set(known)
             if unknown:
-                ap.error(f"unknown contender(s) {sorted(unknown)}; known: {list(CONTENDERS)}")
-            names = [n for n in names if n in want]
+                ap.error(f"unknown contender(s) {sorted(unknown)}; known: {known}")
+            names = [n for n in known if n in want]
         names += [f"dml_bb{short_bytes(common.parse_bytes(s))}" for s in args.dml_buckets.split(",") if s.strip()]
     ranks = args.ranks if args.serial else world.size
     env = environment(world, args.threads)

@@ -83,17 +83,41 @@ def allreduce_table(label: str, rate: float, res: dict[str, Any]) -> str:
     return f"#### allreduce, {label}\n\n" + "\n".join(rows)
 
 
-def step_table(label: str, res: dict[str, Any]) -> str:
-    rows = ["| model | compute only | dml step | DDP (gloo) step | dml / DDP | exposed comm dml | exposed comm DDP |",
-            "|---|---|---|---|---|---|---|"]  # fmt: skip
+def step_table(label: str, res: dict[str, Any], comm_s: dict[str, float] | None = None) -> str:
+    rows = ["| model | compute only | dml step (overlap) | dml step, reduced after backward | DDP (gloo) step | "
+            "dml / DDP | exposed comm dml | exposed comm dml after | exposed comm DDP | dml / max(compute, comm) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for model, r in res["results"].items():
         cs = r["contenders"]
         comp, dml, ddp = (statistics.median(cs[k]["times_s"]) for k in ("ideal_local", "dml", "ddp_gloo"))
+        after = statistics.median(cs["dml_after"]["times_s"]) if "dml_after" in cs else None
+        comm = comm_s.get(model) if comm_s else None
+        limit = f"{dml / max(comp, comm):.2f}" if comm else "-"
         rows.append(
-            f"| {model} ({r['nparams'] / 1e6:.1f} M) | {_t(comp)} | {_t(dml)} | {_t(ddp)} | "
-            f"{cs['dml'].get('ratio', dml / ddp):.2f} | {_t(dml - comp)} | {_t(ddp - comp)} |"
+            f"| {model} ({r['nparams'] / 1e6:.1f} M) | {_t(comp)} | {_t(dml)} | {_t(after)} | {_t(ddp)} | "
+            f"{dml / ddp:.2f} | {_t(dml - comp)} | {_t(after - comp if after else None)} | {_t(ddp - comp)} | "
+            f"{limit} |"
+        )
+    if comm_s:
+        rows.append("")
+        rows.append(
+            "comm = one allreduce of all the model's gradients with dml on this link (time of the "
+            "allreduce job's nearest size, scaled by bytes): " + ", ".join(f"{m} {_t(c)}" for m, c in comm_s.items())
         )
     return f"#### training step, {label}\n\n" + "\n".join(rows)
+
+
+def model_comm(ar: dict[str, Any], st: dict[str, Any]) -> dict[str, float]:
+    """Seconds one dml allreduce of each model's gradients takes on the link: the measured size nearest to the
+    model's gradient bytes (at or above it when there is one), scaled linearly by bytes."""
+    sizes = {int(k): v for k, v in ar["results"].items()}
+    out = {}
+    for model, r in st["results"].items():
+        nbytes = r["nparams"] * 4
+        above = [n for n in sizes if n >= nbytes]
+        n = min(above) if above else max(sizes)
+        out[model] = sizes[n]["dml_numpy"]["median_s"] * nbytes / n
+    return out
 
 
 def _t(s: float | None) -> str:
@@ -133,11 +157,12 @@ def main(argv: list[str] | None = None) -> int:
             ar = mpi_job(c, "allreduce.py", ["--sizes", args.sizes, "--reps", str(args.reps)],
                          out / f"network-allreduce-{tag}.json", timeout=900)  # fmt: skip
             st = None if args.no_steps else mpi_job(
-                c, "ddp.py", ["--models", args.models, "--steps", str(args.steps), "--warmup", "2"],
+                c, "ddp.py", ["--models", args.models, "--steps", str(args.steps), "--warmup", "2",
+                              "--only", "ideal_local,ddp_gloo,dml_after,dml"],
                 out / f"network-ddp-{tag}.json", timeout=900,
             )  # fmt: skip
         tables += [f"### {label}\n\nThe link alone: {_probe_text(alone)}.", allreduce_table(label, rate, ar)]
-        tables += [step_table(label, st)] if st else []
+        tables += [step_table(label, st, model_comm(ar, st))] if st else []
         tables.append(f"({time.monotonic() - start:.0f} s)")
     print("\n\n".join(tables))
     return 0
