@@ -3,6 +3,7 @@
 # where there are two GPUs: NCCL needs one GPU per rank), the staged MPI path on 1 and 2 ranks
 # sharing the GPU, CUDA-aware MPI if the MPI supports it, stream ordering, CuPy arrays, training
 # on CUDA, object collectives, exact evaluation, buffer broadcasts and strided synchronize on CUDA,
+# gradients reduced during backward on CUDA (overlap on a stream of its own, and at the end of backward),
 # SyncBatchNorm on CUDA tensors (simulated ranks, staged MPI on 2 ranks, NCCL), the quickstart on CUDA,
 # and our NCCL allreduce against the raw CuPy NCCL call.
 # Usage: bash scripts/gpu-check.sh   (from the repository root, in an environment with

@@ -145,6 +145,31 @@ def check_issue_11(backend: dml.Backend) -> None:
     assert (leaf == 0).all()
 
 
+def check_issue_13(backend: dml.Backend) -> None:
+    """Gradients reduced during backward on CUDA (on the communication thread's own stream, and at the end of
+    backward): .grad is the average when backward() returns; clipping sees it; replicas stay identical."""
+    rank, w = dml.local_rank(backend), dml.total_workers(backend)
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 8)).cuda()
+        plain = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 8)).cuda()
+        plain.load_state_dict(model.state_dict())
+        x = torch.randn(32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(rank))
+        plain(x).square().mean().backward()
+        local = torch.cat([p.grad.reshape(-1) for p in plain.parameters()]).double().cpu().numpy()
+        every = np.empty((w, local.size))
+        dml.allgather(backend, local, every)
+        opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1), overlap=overlap)
+        model(x).square().mean().backward()
+        got = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double().cpu().numpy()
+        np.testing.assert_allclose(got, every.mean(0), rtol=1e-5, atol=1e-6, err_msg=f"overlap={overlap}")
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().cpu().numpy()
+        dml.allgather(backend, flat, every := np.empty((w, flat.size)))
+        assert (every == every[0]).all(), f"replicas differ (overlap={overlap})"
+
+
 def main(kind: str) -> None:
     if kind == "nccl":
         dml.initialize(dml.NCCLBackend)
@@ -159,6 +184,7 @@ def main(kind: str) -> None:
     cupy_checked = check_cupy(backend)
     check_training(backend)
     check_issue_11(backend)
+    check_issue_13(backend)
     dml.barrier(backend)
     if dml.local_rank(backend) == 0:
         what = f"{n} op/dtype cases, CuPy arrays {'checked' if cupy_checked else 'skipped (no CuPy)'}"
