@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -58,7 +59,10 @@ def mpi_job(c: cluster.Cluster, script: str, args: list[str], json_path: Path, t
     """Run ``script`` on 2 ranks, one per node, with gloo on the link too; its JSON."""
     argv = [*c.mpiexec_argv(2), "-x", f"PYTHONPATH={ROOT / 'tests'}", "-x", f"MASTER_ADDR={c.addresses[0]}"]
     argv += ["-x", "GLOO_SOCKET_IFNAME=eth0", "-x", "OMP_NUM_THREADS=1", "-x", "THP_MEM_ALLOC_ENABLE=1"]
-    argv += [PYTHON, str(ROOT / "benchmarks" / script), *args, "--json", str(json_path)]
+    # One core per node, core k for node k: each node's mpiexec daemon would bind its rank to core 0,
+    # putting both "nodes" on one core of this machine.
+    command = shlex.join([PYTHON, str(ROOT / "benchmarks" / script), *args, "--json", str(json_path)])
+    argv += ["--bind-to", "none", "sh", "-c", f'exec taskset -c "$OMPI_COMM_WORLD_RANK" {command}']
     run = c.run(argv, timeout=timeout, cwd=ROOT)
     print(run.output[-6000:], flush=True)
     if run.returncode != 0:

@@ -176,6 +176,16 @@ def topology_check(world: dml.Backend) -> dict[str, Any]:
 
     one_node = len(set(hosts)) == 1
     assert world.segment_bytes == (DEFAULT_SEGMENT_BYTES if one_node else NETWORK_SEGMENT_BYTES), world.segment_bytes
+    # Gradient buckets: at the end of backward with 256 KiB buckets on one node; overlapping backward on the
+    # communication thread with 4 MiB buckets across nodes (unless DML_OVERLAP says otherwise).
+    import os
+
+    import torch
+
+    opt = dml.DistributedOptimizer(world, torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+    if "DML_OVERLAP" not in os.environ:
+        assert opt.overlap is not one_node, (opt.overlap, hosts)
+    assert opt._reducer.bucket_bytes == (256 << 10 if one_node else 4 << 20), opt._reducer.bucket_bytes
     if rank == 0:
         print("TOPOLOGY " + " ".join(f"{r}:{h}:{local}/{n}" for r, (h, local, n) in enumerate(every)), flush=True)
     return {"host": host, "node_local_rank": world.node_local_rank, "node_size": world.node_size}
@@ -251,6 +261,10 @@ def main(checks: list[str]) -> None:
                         guarded(bodies.large_body, world, n, dtype, op, runs % 2 == 0)
                         runs += 1
             return runs
+        elif check == "tensor_views":
+            return {
+                label: guarded(bodies.tensor_views_body, b) for label, b in (("default", world), ("segment16", tiny))
+            }
         elif check == "segmented":  # 64 MiB: 16 segments of 4 MiB, a NumPy array and a torch tensor
             n = 64 * 1024 * 1024 // 4 + 5
             for op, in_place in (("sum", True), ("avg", False)):

@@ -91,6 +91,20 @@ def test_collectives_and_training_across_nodes(layout: cluster.Cluster) -> None:
     assert f"TOPOLOGY {expected}" in run.output, run.output[-8000:]
 
 
+REDUCER_CHECKS = ["grads_ready", "errors", "collective_in_backward", "buffers", "unused_overlap"]
+
+
+def test_gradients_reduced_during_backward_across_nodes(layout: cluster.Cluster) -> None:
+    """Ranks on several hosts reduce on the communication thread by default (overlap): the bodies of
+    tests/reducer_job.py across the link."""
+    c = layout
+    n = _ranks(c)
+    argv = [*c.mpiexec_argv(n), *EXPORTS, PYTHON, str(TESTS / "reducer_job.py"), *REDUCER_CHECKS]
+    run = c.run(argv, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.output[-8000:]
+    assert f"REDUCER CHECKS PASSED: {' '.join(REDUCER_CHECKS)} on {n} ranks" in run.output, run.output[-8000:]
+
+
 def test_launch_with_a_hostfile_spreads_ranks_and_forwards_dml_variables(two_by_two: cluster.Cluster) -> None:
     c = two_by_two
     argv = [LAUNCH, "launch", "-n", "4", "--hostfile", str(c.hostfile), str(TESTS / "launch_probe.py"), "--x", "a.py"]
