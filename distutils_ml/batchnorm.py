@@ -114,7 +114,12 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     Args:
         backend: from ``dml.get_distributed_backend``.
         num_features: the number of channels ``C`` (dimension 1 of the input).
-        eps, momentum, affine, track_running_stats, device, dtype: as ``torch.nn.BatchNorm2d``.
+        eps: as ``torch.nn.BatchNorm2d``.
+        momentum: as ``torch.nn.BatchNorm2d`` (None: cumulative average).
+        affine: as ``torch.nn.BatchNorm2d``.
+        track_running_stats: as ``torch.nn.BatchNorm2d``.
+        device: as ``torch.nn.BatchNorm2d``.
+        dtype: as ``torch.nn.BatchNorm2d``.
         bias: whether an affine layer has a bias (as ``torch.nn.BatchNorm2d(bias=...)``).
 
     Raises:

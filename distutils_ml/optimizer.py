@@ -143,7 +143,12 @@ NETWORK_BUCKET_BYTES = 4 << 20
 
 
 class BackwardReduction:
-    """What :func:`reduce_gradients_in_backward` returns: ``no_sync()``, ``remove()``."""
+    """What :func:`reduce_gradients_in_backward` returns: ``no_sync()``, ``reset()``, ``remove()``.
+
+    Like DDP it does not know when the optimizer steps: with an op other than ``dml.AVG``,
+    clear the gradients between backward passes (or accumulate inside ``no_sync()``), or
+    the gradients of the first pass are reduced again.
+    """
 
     def __init__(self, backend: Backend, reducer: GradientReducer) -> None:
         self._backend = backend
@@ -168,6 +173,10 @@ class BackwardReduction:
     def remove(self) -> None:
         """Stop reducing during backward (removes the hooks)."""
         self._reducer.detach()
+
+    def reset(self) -> None:
+        """Forget the reduction of a backward that raised midway (call with ``zero_grad()`` before the next)."""
+        self._reducer.reset()
 
 
 def reduce_gradients_in_backward(
