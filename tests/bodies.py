@@ -18,6 +18,7 @@ from functools import cache, lru_cache
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import strategies as st
 
@@ -484,3 +485,104 @@ def mismatch_body(backend: dml.Backend, case: str) -> bool:
     dml.allreduce(backend, buf, dml.SUM)
     assert (buf == size).all()
     return True
+
+
+# -- tensors reused across calls ---------------------------------------------------------------
+
+
+def _bits(x: Any) -> np.ndarray:
+    """The raw bits of a float32/float64 tensor or array, for bitwise comparisons (NaN included)."""
+    a = x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    return a.view(np.uint32 if a.dtype == np.float32 else np.uint64).copy()
+
+
+def avg_values(rank: int, size: int, dtype: Any) -> torch.Tensor:
+    """Rank-dependent values whose average is hard to get bitwise right: subnormals, sums that
+    overflow or round, signed zeros, a NaN and infinities."""
+    info = torch.finfo(dtype)
+    tiny = info.smallest_normal
+    v = [
+        tiny / 8 * (rank + 1),  # subnormal inputs and quotients
+        tiny * (rank + 3),  # a quotient that becomes subnormal
+        info.max / 2 + info.max / 8 * rank,  # the sum overflows to inf on 3+ ranks
+        1.0 / 3.0 * (rank + 1),  # a rounded sum and quotient
+        -0.0,
+        float("nan") if rank == 0 else 1.0,
+        float("inf") if rank == size - 1 else -2.5,
+        (rank + 1) * 0.1,
+    ]
+    return torch.tensor(v * 16, dtype=dtype)  # 128 elements
+
+
+def tensor_views_body(backend: dml.Backend) -> int:
+    """Collectives on the same tensors again and again (the library caches their NumPy views by
+    address, shape and dtype): a tensor changed in place between calls (transposed, given a negative
+    bit, another storage, reinterpreted as another dtype) is handled as what it is now; AVG is
+    bitwise SUM then divide by the number of ranks, on every path. Returns how many checks ran."""
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    checks = 0
+    m = torch.arange(9.0).reshape(3, 3) + rank
+    expect = sum(torch.arange(9.0).reshape(3, 3) + r for r in range(size))
+    for _ in range(3):  # the first call makes the view, the next ones reuse it
+        m.copy_(torch.arange(9.0).reshape(3, 3) + rank)
+        assert dml.allreduce(backend, m, dml.SUM) is m
+        assert torch.equal(m, expect), m
+    checks += 1
+    m.t_()  # the same address, shape and dtype, now not contiguous
+    with pytest.raises(ValueError, match="non-contiguous buffer of shape"):
+        dml.allreduce(backend, m, dml.SUM)
+    m.t_()
+    neg = torch._neg_view(m)  # the same address, shape and dtype, with a negative bit
+    with pytest.raises(ValueError, match="negative bit set"):
+        dml.allreduce(backend, neg, dml.SUM)
+    out = torch.empty(3, 3)
+    dml.allreduce(backend, neg, out, dml.SUM)  # read as a source: its value
+    assert torch.equal(out, -expect * size), out
+    checks += 2
+    other = torch.full((3, 3), float(rank))
+    m.set_(other)  # another storage under the same tensor
+    dml.allreduce(backend, m, dml.SUM)
+    assert torch.equal(other, torch.full((3, 3), float(sum(range(size))))), other
+    checks += 1
+    f = torch.full((4,), float(rank + 1), dtype=torch.float64)
+    dml.bcast(backend, f, root=size - 1)
+    assert torch.equal(f, torch.full((4,), float(size), dtype=torch.float64)), f
+    as_int = f.view(torch.int64)  # the same address and shape, another dtype: integer sums of the bits
+    wrapped = as_int.numpy() * np.int64(size)
+    dml.allreduce(backend, as_int, dml.SUM)
+    assert np.array_equal(as_int.numpy(), wrapped), (as_int, wrapped)
+    with pytest.raises(TypeError, match=r"dtype torch\.complex64 is not supported"):
+        dml.allreduce(backend, f.view(torch.complex64), dml.SUM)
+    flags = torch.tensor([rank == 0, False, True])
+    for _ in range(2):
+        dml.allreduce(backend, flags, dml.MAX)
+    assert flags.tolist() == [True, False, True], flags
+    empty = torch.empty(0, 3)
+    for _ in range(2):
+        dml.allreduce(backend, empty, dml.SUM)
+    gathered = torch.empty(size, 4, dtype=torch.float64)
+    for _ in range(2):
+        dml.allgather(backend, torch.full((4,), float(rank), dtype=torch.float64), gathered)
+        assert gathered[:, 0].tolist() == [float(r) for r in range(size)], gathered
+    checks += 5
+    root = size - 1
+    forms = {
+        "in place": lambda x, op: dml.allreduce(backend, x, op),
+        "two buffers": lambda x, op: dml.allreduce(backend, x.clone(), x, op),
+        "reduce": lambda x, op: dml.reduce(backend, x, op, root=root),
+    }
+    for dtype in (torch.float32, torch.float64):
+        inputs = avg_values(rank, size, dtype)
+        for form, call in forms.items():  # each form's own SUM: the reduction order may differ between forms
+            sums = inputs.clone()
+            with np.errstate(over="ignore"):
+                call(sums, dml.SUM)
+            expect = _bits(np.divide(sums.numpy(), size)) if form != "reduce" or rank == root else _bits(inputs)
+            buf = inputs.clone()
+            for _ in range(2):  # twice on the same tensor
+                buf.copy_(inputs)
+                with np.errstate(over="ignore"):  # LocalBackend's NumPy sums overflow to inf, as they should
+                    call(buf, dml.AVG)
+                assert np.array_equal(_bits(buf), expect), (form, dtype, buf[:8], sums[:8])
+            checks += 1
+    return checks

@@ -8,8 +8,10 @@ every form; hypothesis adds random shapes, spellings and roots, per collective a
 
 from __future__ import annotations
 
+import gc
 import threading
 import warnings
+import weakref
 import zlib
 
 import numpy as np
@@ -18,8 +20,20 @@ import torch
 from hypothesis import given, seed, settings
 
 import distutils_ml as dml
+from distutils_ml import arrays
 
-from bodies import BODIES, DTYPES, REDUCTIONS, Case, bad_calls, bad_input_body, cases, matrix_body, matrix_size
+from bodies import (
+    BODIES,
+    DTYPES,
+    REDUCTIONS,
+    Case,
+    bad_calls,
+    bad_input_body,
+    cases,
+    matrix_body,
+    matrix_size,
+    tensor_views_body,
+)
 from mpirun import requires_mpi, run_mpi
 
 WORLD_SIZES = range(1, 6)
@@ -184,6 +198,44 @@ def test_a_negative_view_is_read_as_its_value() -> None:
     out = torch.empty(3)
     dml.allreduce(dml.LocalBackend(), torch._neg_view(torch.ones(3)), out, dml.SUM)
     assert out.tolist() == [-1.0, -1.0, -1.0]
+
+
+# -- tensors reused across calls (arrays caches their views) ---------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_tensors_reused_and_changed_in_place_between_calls(world: int) -> None:
+    assert len(set(dml.LocalBackend.spawn(world, tensor_views_body, timeout=60))) == 1
+
+
+def test_a_tensor_view_is_made_once_holds_no_tensor_and_names_the_dtype_of_the_call() -> None:
+    t = torch.ones(1000)
+    first, dt = arrays.result_view(t, "buf")
+    again, _ = arrays.result_view(t, "buf")
+    assert dt == "float32" and arrays.result_view(t, "buf")[0] is again and again is not first
+    assert arrays.source_view(t.view(1000), "sendbuf")[0] is again  # another tensor object, the same memory
+    again[:] = 2.0
+    assert (t == 2.0).all()
+    held = weakref.ref(t)
+    del t, first
+    gc.collect()
+    assert held() is None, "the cache keeps the tensor alive"
+    half = torch.ones(4, dtype=torch.bfloat16)
+    for _ in range(2):
+        assert arrays.result_view(half, "buf")[1] == "bfloat16"
+        view, dt = arrays.result_view(half.view(torch.int16), "buf")
+        assert dt == "int16" and view.dtype == np.int16
+        assert arrays.result_view(half, "buf")[1] == "bfloat16"
+
+
+def test_the_view_cache_is_bounded() -> None:
+    many = [torch.ones(1) for _ in range(arrays._VIEWS_MAX + 10)]
+    for t in many:
+        arrays.result_view(t, "buf")
+        assert len(arrays._VIEWS) <= arrays._VIEWS_MAX
+    out = torch.empty(1)
+    dml.allreduce(dml.LocalBackend(), many[0], out, dml.SUM)  # a view made again after the cache was emptied
+    assert out.item() == 1.0
 
 
 @requires_mpi
