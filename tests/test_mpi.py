@@ -13,7 +13,10 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+from distutils_ml.backends.mpi import _average
 
 from mpirun import mpi_env, requires_mpi, run_mpi
 
@@ -27,6 +30,7 @@ CHECKS = [
     "bad_input",
     "properties",
     "matrix",
+    "tensor_views",
     "synchronize",
     "train",
     "data",
@@ -103,3 +107,25 @@ def test_a_world_of_one_whose_launcher_started_several_is_refused(variable: str)
     env[variable] = "1"
     alone = subprocess.run([sys.executable, "-c", code], check=False, **run)
     assert alone.returncode == 0 and "TRAINS ALONE" in alone.stdout, alone.stderr
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_avg_divides_bitwise_as_numpy_on_any_number_of_ranks(dtype: type) -> None:
+    # A power of two multiplies by the inverse: the same bits as the division, subnormals included.
+    info = np.finfo(dtype)
+    rng = np.random.default_rng(7)
+    x = np.concatenate(
+        [
+            rng.standard_normal(4096) * (info.max / 8),
+            rng.standard_normal(4096) * info.smallest_normal * 4,  # subnormal quotients
+            rng.standard_normal(4096),
+            np.array([0.0, -0.0, np.inf, -np.inf, np.nan, info.max, info.smallest_subnormal, -info.smallest_normal]),
+        ]
+    ).astype(dtype)
+    for size in [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 64, 100, 1024]:
+        got = x.copy()
+        _average(got, size)
+        expect = np.divide(x, size)
+        assert expect.dtype == dtype
+        bits = np.dtype(f"u{x.itemsize}")
+        np.testing.assert_array_equal(got.view(bits), expect.view(bits), err_msg=f"{size} ranks, {dtype.__name__}")

@@ -65,6 +65,24 @@ _KINDS = {
 MAX_PIECE_BYTES = 1 << 30
 _HISTORY = 64
 _OP_CODES = {op: i for i, op in enumerate(ReduceOp)}
+_AVG = ReduceOp.AVG
+_monotonic = time.monotonic
+#: How ``AVG`` divides a sum by the number of ranks, by (ranks, dtype): a ufunc and a NumPy scalar
+#: of the buffer's dtype (a Python int costs NumPy a conversion on every call, more than dividing
+#: 4 KiB). For a power of two it multiplies by the inverse, which is exact: both round the same
+#: real number once, so the bits are those of the division.
+_DIVIDE: dict[tuple[int, np.dtype], tuple[np.ufunc, Any]] = {}
+
+
+def _average(arr: np.ndarray, size: int) -> None:
+    """``arr /= size`` in place (the ``AVG`` of a sum over ``size`` ranks)."""
+    how = _DIVIDE.get((size, arr.dtype))
+    if how is None:
+        inverse = arr.dtype.type(1 / size) if arr.dtype.kind == "f" else None
+        exact = inverse is not None and size & (size - 1) == 0 and float(inverse) == 1 / size
+        how = (np.multiply, inverse) if exact else (np.divide, arr.dtype.type(size))
+        _DIVIDE[(size, arr.dtype)] = how
+    how[0](arr, how[1], arr)
 
 
 def _import_mpi() -> Any:
@@ -188,7 +206,7 @@ class MPIBackend(Backend):
         """Number this collective and show it to the watchdog."""
         self._seq += 1
         shape, dtype = (None, None) if arr is None else (arr.shape, arr.dtype)
-        self._inflight = record = (self._seq, kind, shape, dtype, op, root, time.monotonic())
+        self._inflight = record = (self._seq, kind, shape, dtype, op, root, _monotonic())
         self._history.append(record)
 
     def _check_call(self, kind: str, shape: Any, dtype: str | None, op: ReduceOp | None, root: int) -> None:
@@ -251,19 +269,22 @@ class MPIBackend(Backend):
         if recvbuf.dtype is _BOOL:  # MPI defines MAX/MIN on integers, not on C bool
             recvbuf = recvbuf.view(np.uint8)
             sendbuf = None if sendbuf is None else sendbuf.view(np.uint8)
-        self._begin("allreduce", recvbuf, op)
-        mop = self._ops[op]
+        # _begin, inlined: this is the hot path.
+        self._seq = seq = self._seq + 1
+        self._inflight = record = (seq, "allreduce", recvbuf.shape, recvbuf.dtype, op, -1, _monotonic())
+        self._history.append(record)
         send = self._in_place if sendbuf is None else sendbuf
         try:
             if recvbuf.nbytes <= self._piece_bytes:  # the latency-bound path
-                self.comm.Allreduce(send, recvbuf, mop)
-                if op is ReduceOp.AVG:
-                    np.divide(recvbuf, self._size, out=recvbuf)
+                self.comm.Allreduce(send, recvbuf, self._ops[op])
+                if op is _AVG:
+                    _average(recvbuf, self._size)
                 return
+            mop = self._ops[op]
             for s, r in self._pieces(recvbuf, send, recvbuf):
                 self.comm.Allreduce(s, r, mop)
-                if op is ReduceOp.AVG:  # while the piece is still in cache
-                    np.divide(r, self._size, out=r)
+                if op is _AVG:  # while the piece is still in cache
+                    _average(r, self._size)
         finally:
             self._inflight = None
 
@@ -281,8 +302,8 @@ class MPIBackend(Backend):
         try:
             for s, r in self._pieces(recvbuf, send, recv):
                 self.comm.Reduce(s, r, mop, root)
-                if is_root and op is ReduceOp.AVG:
-                    np.divide(r, self._size, out=r)
+                if is_root and op is _AVG:
+                    _average(r, self._size)
         finally:
             self._inflight = None
 
