@@ -1,4 +1,4 @@
-"""In-place float32 SUM allreduce: distutils_ml against raw mpi4py and torch.distributed/gloo.
+"""In-place float32 SUM (and AVG) allreduce: distutils_ml against raw mpi4py and torch.distributed/gloo.
 
 Run from the repository root under MPI, one core per rank (2 ranks on this 2-core box)::
 
@@ -11,12 +11,15 @@ Contenders (all in the same run, on the same sizes):
 * ``mpi4py_numpy``: ``comm.Allreduce(MPI.IN_PLACE, ndarray, op=MPI.SUM)``, the baseline (ratio 1.00);
 * ``dml_torch``: ``dml.allreduce(backend, tensor, dml.SUM)`` on a CPU float32 tensor;
 * ``dml_numpy``: ``dml.allreduce(backend, ndarray, dml.SUM)``;
+* ``dml_torch_avg``: ``dml.allreduce(backend, tensor, dml.AVG)``, against the same raw SUM (AVG is
+  the sum, then one division by the number of ranks);
 * ``gloo``: ``torch.distributed.all_reduce`` with the gloo backend;
 * with ``--segments S1,S2..``: ``dml_torch_seg<S>`` and ``dml_numpy_seg<S>``, ``dml.allreduce`` over
   ``dml.MPIBackend(segment_bytes=S)`` (to choose the segment size; 0 = one unsegmented call).
 
 Method (the one of shared/bench): for each size every contender first reduces rank-dependent
-data and the result is compared exactly with the expected sum; the buffer is then zeroed so
+data and the result is compared exactly with the expected sum (divided by the number of ranks
+for AVG, in float32); the buffer is then zeroed so
 repeated in-place sums neither overflow nor go denormal. After ``--warmup`` ops come ``--reps``
 repetitions; in each one the contenders run in a rotated order, each after a barrier, doing
 ``inner`` back-to-back ops (``inner`` = 1 MiB / size, 1..100, for small messages). The time of
@@ -45,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 import common
 
 BASE = "mpi4py_numpy"
-MAIN = ("mpi4py_numpy", "dml_torch", "dml_numpy", "gloo")
-DML = ("dml_torch", "dml_numpy")
+MAIN = ("mpi4py_numpy", "dml_torch", "dml_numpy", "dml_torch_avg", "gloo")
+DML = ("dml_torch", "dml_numpy", "dml_torch_avg")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -101,7 +104,8 @@ def make_case(ctx: Ctx, name: str, n: int) -> Case:
             a = np.zeros(n, np.float32)
             return Case(lambda: dml.allreduce(be, a, dml.SUM), a)
         t = torch.zeros(n, dtype=torch.float32)
-        return Case(lambda: dml.allreduce(be, t, dml.SUM), t.numpy())
+        op = dml.AVG if kind == "torch_avg" else dml.SUM
+        return Case(lambda: dml.allreduce(be, t, op), t.numpy())
     if name == "gloo":
         import torch.distributed as dist
 
@@ -124,7 +128,7 @@ def run_size(ctx: Ctx, names: list[str], nbytes: int, args: argparse.Namespace) 
     for name, c in cases.items():
         c.buf[...] = ctx.rank + 1 + pattern
         c.op()
-        ok = bool(np.array_equal(c.buf, expect))
+        ok = bool(np.array_equal(c.buf, expect / np.float32(ctx.size) if name.endswith("_avg") else expect))
         verified[name] = bool(ctx.comm.allreduce(ok, op=ctx.MPI.LAND))
         if not verified[name]:
             ctx.log(f"!! {name} at {common.fmt_bytes(nbytes)}: WRONG RESULT")
