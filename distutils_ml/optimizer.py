@@ -103,19 +103,21 @@ _FIX_BACKWARD = "Call reduce_gradients_in_backward with the same op, bucket_byte
 
 def default_overlap(backend: Backend) -> bool:
     """Whether buckets go on the communication thread by default: ``DML_OVERLAP`` (1/0) if set, else
-    when the ranks span several hosts.
+    on NCCLBackend only.
 
-    On one machine the ranks' cores are busy computing backward, and a thread waiting in
-    a collective competes with them for the core (MPI polls while it waits), so there the
-    buckets all go at the end of backward, from the autograd thread. Across machines the
-    network time is worth hiding behind backward.
+    A thread waiting in an MPI collective polls (Open MPI progresses by spinning), so on
+    CPU it takes the core backward computes on: measured on this project's 2-core cluster,
+    overlap made steps no faster and up to 1.7x slower (docs/benchmarks/network.md). NCCL
+    reduces on the GPU, and the thread only waits on a CUDA stream.
     """
     forced = os.environ.get("DML_OVERLAP", "").strip().lower()
     if forced in ("1", "true", "yes", "on"):
         return True
     if forced in ("0", "false", "no", "off"):
         return False
-    return spans_hosts(backend)
+    from distutils_ml.backends.nccl import NCCLBackend
+
+    return isinstance(backend, NCCLBackend)
 
 
 def spans_hosts(backend: Backend) -> bool:
@@ -193,7 +195,7 @@ def reduce_gradients_in_backward(
     ``DistributedOptimizer``'s reduction without wrapping an optimizer, for loops that keep
     their own (what ``DistributedDataParallel`` does to a module's gradients). Buckets are
     reduced in a fixed order while backward runs (``overlap``, default: when the ranks span
-    several hosts) or all at its end; either way ``.grad`` is final when ``backward()``
+    ``NCCLBackend``) or all at its end; either way ``.grad`` is final when ``backward()``
     returns, so clipping and AMP unscaling need no extra call. Every rank must run the
     same number of backward passes. Use ``handle.no_sync()`` to accumulate micro-batches.
 
@@ -258,9 +260,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             in half precision (reduced in float32 where the transport cannot reduce
             halves, then cast back); None keeps each gradient's dtype.
         overlap: reduce buckets on the communication thread while backward computes
-            (True), or all at the end of backward (False). Default: True when the ranks
-            span several hosts (network time hides behind backward), else False (on one
-            machine a waiting thread competes with backward for the cores).
+            (True), or all at the end of backward (False). Default: True on NCCLBackend,
+            else False (a thread waiting in an MPI collective spins on the core backward
+            computes on); ``DML_OVERLAP=1/0`` changes the default.
         backward_passes_per_step: reduce only every k-th backward (Horovod's option):
             k backward passes accumulate locally, the k-th reduces their sum once.
 

@@ -95,8 +95,8 @@ REDUCER_CHECKS = ["grads_ready", "errors", "collective_in_backward", "buffers", 
 
 
 def test_gradients_reduced_during_backward_across_nodes(layout: cluster.Cluster) -> None:
-    """Ranks on several hosts reduce on the communication thread by default (overlap): the bodies of
-    tests/reducer_job.py across the link."""
+    """The bodies of tests/reducer_job.py across the link, with the buckets reduced on the communication thread
+    (overlap) and at the end of backward."""
     c = layout
     n = _ranks(c)
     argv = [*c.mpiexec_argv(n), *EXPORTS, PYTHON, str(TESTS / "reducer_job.py"), *REDUCER_CHECKS]
