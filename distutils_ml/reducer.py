@@ -27,7 +27,6 @@ So those checks cost no extra message, and each ends in the same error on every 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,7 +128,6 @@ class GradientReducer:
         self._index: dict[int, int] = {}
         self._round: _Round | None = None
         self._hooks: list[Any] = []
-        self._lock = threading.Lock()
         self.backend: Backend | None = None
         self.overlap = False
         #: asked at the first hook of each backward: True leaves its gradients unreduced (``no_sync``)
@@ -273,19 +271,12 @@ class GradientReducer:
             handle.remove()
         params = self._params if self._plan_key is not None else self._params_of()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
-        if self._plan_key is None:
-            self._index = {id(p): i for i, p in enumerate(params)}
 
     def detach(self) -> None:
         """Stop reducing during backward (removes the hooks)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-
-    @property
-    def in_flight(self) -> bool:
-        """Whether a backward's reduction has started and not finished."""
-        return self._round is not None
 
     def _new_round(self, task: int) -> _Round:
         nb = len(self._buckets)
@@ -303,7 +294,7 @@ class GradientReducer:
         task = torch._C._current_graph_task_id()
         state = self._round
         if state is not None and state.task != task:
-            self._second_backward(backend)
+            self._second_backward()
         if state is None:
             if self._skipped_task == task:
                 return
@@ -337,12 +328,10 @@ class GradientReducer:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         return state
 
-    def _second_backward(self, backend: Backend) -> None:
+    def _second_backward(self) -> None:
         state = self._round
         assert state is not None
-        if backend._comm is not None:
-            backend._comm.wait(errors=False)
-        self._round = None
+        self.reset()
         raise RuntimeError(
             f"{self.caller}: a second backward() started before the gradients of the previous one were reduced "
             f"(it {'was interrupted' if state.sent < len(self._buckets) else 'has not finished'}: "

@@ -13,37 +13,14 @@ from __future__ import annotations
 
 import sys
 import time
-import traceback
-from collections.abc import Callable
-from typing import Any
 
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given, settings
 
 import distutils_ml as dml
 
 import batchnorm_bodies as bodies
-
-SETTINGS = settings(
-    derandomize=True,  # every rank draws the same cases
-    database=None,
-    deadline=None,
-    phases=[Phase.generate],  # no shrinking: the other ranks could not follow it
-    suppress_health_check=list(HealthCheck),
-)
-
-
-def guarded(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn``; on any failure print rank, arguments and traceback, then abort the job."""
-    try:
-        return fn(*args)
-    except BaseException:
-        from mpi4py import MPI
-
-        rank = MPI.COMM_WORLD.Get_rank()
-        sys.stderr.write(f"[rank {rank}] CHECK FAILED: {fn.__name__}{args[1:]!r}\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(3)
+from mpi_main import SETTINGS, guarded
 
 
 def property_checks(backend: dml.Backend, examples: int, device: str) -> int:

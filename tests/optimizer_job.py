@@ -13,13 +13,12 @@ from __future__ import annotations
 import faulthandler
 import signal
 import sys
-import time
 import warnings
 
 import distutils_ml as dml
 
 import train_bodies
-from mpi_main import guarded, hypothesis_check
+from mpi_main import guarded, hypothesis_check, run_checks
 
 
 def late_backward(backend: dml.Backend) -> int:
@@ -40,15 +39,7 @@ def main(names: list[str]) -> None:
         "sparse": lambda: guarded(train_bodies.sparse_gradient_body, world, 4),
         "closure": lambda: guarded(train_bodies.closure_body, world, 5),
     }
-    names = names or list(checks)
-    for name in names:
-        check = checks[name]
-        start = time.perf_counter()
-        detail = check()
-        dml.print(world, f"check {name} passed in {time.perf_counter() - start:.1f}s: {detail}")
-    dml.barrier(world)
-    if dml.local_rank(world) == 0:
-        print(f"OPTIMIZER CHECKS PASSED: {' '.join(names)} on {world.size} ranks", flush=True)
+    run_checks(world, names or list(checks), "OPTIMIZER CHECKS PASSED", lambda name: checks[name]())
 
 
 if __name__ == "__main__":

@@ -10,13 +10,12 @@ from __future__ import annotations
 import faulthandler
 import signal
 import sys
-import time
 
 import distutils_ml as dml
 
 import reducer_bodies
 import train_bodies
-from mpi_main import guarded, hypothesis_check
+from mpi_main import guarded, hypothesis_check, run_checks
 
 
 def main(names: list[str]) -> None:
@@ -37,14 +36,7 @@ def main(names: list[str]) -> None:
         ),
         "unused_overlap": lambda: guarded(train_bodies.unused_parameters_body, world, 2, True),
     }
-    names = names or list(checks)
-    for name in names:
-        start = time.perf_counter()
-        detail = checks[name]()
-        dml.print(world, f"check {name} passed in {time.perf_counter() - start:.1f}s: {detail}")
-    dml.barrier(world)
-    if dml.local_rank(world) == 0:
-        print(f"REDUCER CHECKS PASSED: {' '.join(names)} on {world.size} ranks", flush=True)
+    run_checks(world, names or list(checks), "REDUCER CHECKS PASSED", lambda name: checks[name]())
 
 
 if __name__ == "__main__":
