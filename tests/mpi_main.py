@@ -8,6 +8,7 @@ ranks could not follow it). Rank 0 ends with ``MPI CHECKS PASSED`` when all pass
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import signal
@@ -81,6 +82,7 @@ def hypothesis_check(backend: dml.Backend, body: Any, strategy: Any, examples: i
     return count
 
 
+@contextlib.contextmanager
 def gloo_group(backend: dml.Backend) -> Iterator[list[Any]]:
     """A torch.distributed gloo group over ``backend``'s ranks, torn down with care on leaving.
 
