@@ -29,6 +29,7 @@ import torch
 from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
 from distutils_ml.collectives import allgather, allreduce
 from distutils_ml.reducer import DEFAULT_BUCKET_BYTES, GradientReducer, check_bucket_bytes, ranks_text
+from distutils_ml.tcpring import transport_choice
 
 __all__ = ["BackwardReduction", "DistributedOptimizer", "allreduce_gradients", "reduce_gradients_in_backward"]
 
@@ -102,13 +103,13 @@ _FIX_BACKWARD = "Call reduce_gradients_in_backward with the same op, bucket_byte
 
 
 def default_overlap(backend: Backend) -> bool:
-    """Whether buckets go on the communication thread by default: ``DML_OVERLAP`` (1/0) if set, else
-    on NCCLBackend only.
+    """Whether buckets go on the communication thread by default: ``DML_OVERLAP`` (1/0) if set, else on
+    NCCLBackend, and on MPIBackend when its buckets go over the TCP ring (ranks on several hosts).
 
-    A thread waiting in an MPI collective polls (Open MPI progresses by spinning), so on
-    CPU it takes the core backward computes on: measured on this project's 2-core cluster,
-    overlap made steps no faster and up to 1.7x slower (docs/benchmarks/network.md). NCCL
-    reduces on the GPU, and the thread only waits on a CUDA stream.
+    A thread waiting in an MPI collective polls (Open MPI progresses by spinning), so on one
+    host's CPUs it takes the core backward computes on. NCCL reduces on the GPU, and across
+    hosts the buckets go over :mod:`distutils_ml.tcpring`, whose thread sleeps in ``poll()``
+    until bytes arrive (docs/benchmarks/network.md).
     """
     forced = os.environ.get("DML_OVERLAP", "").strip().lower()
     if forced in ("1", "true", "yes", "on"):
@@ -117,7 +118,10 @@ def default_overlap(backend: Backend) -> bool:
         return False
     from distutils_ml.backends.nccl import NCCLBackend
 
-    return isinstance(backend, NCCLBackend)
+    if isinstance(backend, NCCLBackend):
+        return True
+    choice = transport_choice()
+    return choice == "tcp" or (choice == "auto" and spans_hosts(backend))
 
 
 def spans_hosts(backend: Backend) -> bool:

@@ -38,6 +38,7 @@ from distutils_ml.backends.base import Backend, ReduceOp, resolve_op
 from distutils_ml.collectives import allgather, allreduce
 from distutils_ml.commthread import comm_thread
 from distutils_ml.objects import allgather_object, digest
+from distutils_ml.tcpring import TcpRing, ring_for
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "GradientReducer"]
 
@@ -128,6 +129,7 @@ class GradientReducer:
         self._index: dict[int, int] = {}
         self._round: _Round | None = None
         self._hooks: list[Any] = []
+        self._ring: TcpRing | None = None
         self.backend: Backend | None = None
         self.overlap = False
         #: asked at the first hook of each backward: True leaves its gradients unreduced (``no_sync``)
@@ -153,6 +155,7 @@ class GradientReducer:
             if not p.dtype.is_floating_point:
                 raise TypeError(f"{self.caller}: parameter of dtype {p.dtype}; gradients must be floating point")
         self._agree(backend, params)
+        self._ring = ring_for(backend)
         self._build(params)
         self._plan_key = key
         if self._hooks:
@@ -438,11 +441,11 @@ class GradientReducer:
 
     def _allreduce(self, backend: Backend, bucket: _Bucket, tensor: torch.Tensor) -> None:
         if bucket.head and self._head_op is not self.op:
-            allreduce(backend, tensor[: bucket.head], self._head_op)
+            _reduce(backend, self._ring, tensor[: bucket.head], self._head_op)
             if tensor.numel() > bucket.head:
-                allreduce(backend, tensor[bucket.head :], self.op)
+                _reduce(backend, self._ring, tensor[bucket.head :], self.op)
         else:
-            allreduce(backend, tensor, self.op)
+            _reduce(backend, self._ring, tensor, self.op)
 
     # -- the header ------------------------------------------------------------------------
 
@@ -523,6 +526,17 @@ class GradientReducer:
             )
 
 
+def _reduce(backend: Backend, ring: TcpRing | None, tensor: torch.Tensor, op: ReduceOp) -> None:
+    """One bucket's allreduce: over the TCP ring across hosts (:mod:`distutils_ml.tcpring`), else the backend."""
+    if ring is not None and tensor.device.type == "cpu" and tensor.dtype in _RING_DTYPES:
+        array = tensor.numpy()
+        if ring.supports(array, op):
+            ring.allreduce(array, op)
+            return
+    allreduce(backend, tensor, op)
+
+
+_RING_DTYPES = (torch.float32, torch.float64)
 _STREAMS: dict[Any, Any] = {}
 
 
