@@ -16,7 +16,7 @@ from distutils_ml.backends.nccl import NCCLBackend
 from distutils_ml.batchnorm import SyncBatchNorm, allreduce_autograd, convert_sync_batchnorm
 from distutils_ml.buffers import broadcast_buffers
 from distutils_ml.checkpoint import load, rng_state, rng_state_all, save, set_rng_state, set_rng_state_all
-from distutils_ml.collectives import allgather, allreduce, barrier, bcast, reduce
+from distutils_ml.collectives import allgather, allreduce, barrier, bcast, reduce, reduce_scatter
 from distutils_ml.data import DistributedDataContainer, UnpaddedShare, gather_unpadded, getobs, numobs
 from distutils_ml.objects import allgather_object, bcast_object
 from distutils_ml.optimizer import (
@@ -77,6 +77,7 @@ __all__ = [
     "numobs",
     "print",
     "reduce",
+    "reduce_scatter",
     "rng_state",
     "rng_state_all",
     "save",

@@ -1,4 +1,4 @@
-"""Collectives, backend first: ``allreduce``, ``bcast``, ``reduce``, ``allgather``, ``barrier``.
+"""Collectives, backend first: ``allreduce``, ``bcast``, ``reduce``, ``allgather``, ``reduce_scatter``, ``barrier``.
 
 Every argument is checked on the calling rank before any byte is sent, so a bad call
 raises on that rank and leaves the world usable. Buffers are NumPy arrays, torch
@@ -35,7 +35,7 @@ from distutils_ml.arrays import (
 )
 from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
 
-__all__ = ["allreduce", "bcast", "reduce", "allgather", "barrier"]
+__all__ = ["allreduce", "bcast", "reduce", "allgather", "reduce_scatter", "barrier"]
 
 T = TypeVar("T")
 _SUM, _AVG = ReduceOp.SUM, ReduceOp.AVG
@@ -281,6 +281,116 @@ def allgather(backend: Backend, sendbuf: Any, recvbuf: T) -> T:
         backend._leave()
 
 
+@overload
+def reduce_scatter(backend: Backend, buf: Any, op: Any, /) -> Any: ...
+@overload
+def reduce_scatter(backend: Backend, sendbuf: Any, recvbuf: T, op: Any, /) -> T: ...
+def reduce_scatter(backend: Backend, sendbuf: Any, recvbuf: Any = None, op: Any = None) -> Any:
+    """Reduce across ranks and give each rank one row of the result: the mirror of :func:`allgather`.
+
+    ``sendbuf`` has a leading axis of size ``total_workers``: ``sendbuf[k]`` is this rank's
+    contribution to rank k's result. ``reduce_scatter(backend, sendbuf, recvbuf, op)`` writes
+    the op over ranks of every rank's ``sendbuf[rank]`` into ``recvbuf`` (shape
+    ``sendbuf.shape[1:]``) and returns it; ``sendbuf`` is not changed. The in-place form
+    ``reduce_scatter(backend, buf, op)`` writes that result into ``buf[rank]`` and returns
+    that row (a view); the other rows of ``buf`` are left unchanged.
+
+    A flat buffer is not split for you: to scatter ``W * n`` elements, pass
+    ``buf.view(W, n)`` (torch) or ``buf.reshape(W, n)`` (NumPy), views that cost no copy;
+    each rank then receives its ``n`` contiguous elements (its shard). The same view
+    turns a flat buffer into :func:`allgather`'s ``recvbuf``.
+
+    Args:
+        backend: from ``dml.get_distributed_backend``.
+        sendbuf: NumPy array, torch tensor (CPU or CUDA) or CuPy array with a leading axis
+            of size ``total_workers`` (the in-place buffer in the 3-argument form).
+        recvbuf: result buffer of shape ``sendbuf.shape[1:]`` and ``sendbuf``'s dtype.
+        op: ``dml.SUM``, ``PROD``, ``MAX``, ``MIN``, ``AVG`` (or ``"sum"``, ``operator.add``, ``max``...),
+            on the dtypes ``allreduce`` takes them.
+
+    Returns:
+        ``recvbuf``, or in place the view ``buf[rank]``.
+
+    Raises:
+        ValueError: ``sendbuf``'s leading axis is not ``total_workers`` (a flat buffer
+            included), ``recvbuf``'s shape or dtype does not match, the buffers overlap,
+            or a result buffer is not contiguous or read-only.
+        TypeError: an unsupported buffer or dtype, or an op the dtype does not allow.
+
+    Example:
+        >>> w, rank = dml.total_workers(backend), dml.local_rank(backend)
+        >>> grads = torch.ones(w * 3)  # this rank's full gradient
+        >>> shard = torch.empty(3)
+        >>> dml.reduce_scatter(backend, grads.view(w, -1), shard, dml.AVG)  # the average of this rank's shard
+        tensor([1., 1., 1.])
+    """
+    check_backend(backend, "reduce_scatter")
+    recvbuf, op = _split_op(recvbuf, op)
+    op = resolve_op(op)
+    backend._enter("reduce_scatter")
+    try:
+        return _reduce_scatter(backend, sendbuf, recvbuf, op)
+    finally:
+        backend._leave()
+
+
+def _scatter_rows(backend: Backend, shape: tuple[int, ...], name: str) -> tuple[int, ...]:
+    """The shape of one rank's result, after checking that ``shape`` leads with an axis of ``total_workers``."""
+    w = backend.size
+    if shape and shape[0] == w:
+        return tuple(shape[1:])
+    need = f"reduce_scatter needs a leading axis of size total_workers ({w}), where {name}[k] goes to rank k"
+    if not shape:
+        raise ValueError(f"{name}: got a 0-d buffer; {need}")
+    if len(shape) == 1 and shape[0] % w == 0:
+        n = shape[0] // w
+        raise ValueError(
+            f"{name}: got shape {tuple(shape)}, a flat buffer; {need}, and flat buffers are not split: pass "
+            f"{name}.view({w}, -1) (torch) or {name}.reshape({w}, -1) (NumPy), views of shape ({w}, {n})"
+        )
+    raise ValueError(f"{name}: got shape {tuple(shape)}; {need}: shape ({w}, ...)")
+
+
+def _reduce_scatter(backend: Backend, sendbuf: Any, recvbuf: Any, op: ReduceOp) -> Any:
+    try:
+        if recvbuf is None:
+            send, dt = result_view(sendbuf, "buf")
+            _scatter_rows(backend, send.shape, "buf")
+            recv = None
+        else:
+            if sendbuf is recvbuf:
+                raise ValueError(
+                    "sendbuf and recvbuf are the same buffer; for the in-place form pass it once: "
+                    "dml.reduce_scatter(backend, buf, op) (the result lands in buf[rank])"
+                )
+            recv, dt = result_view(recvbuf, "recvbuf")
+            send, sdt = source_view(sendbuf, "sendbuf")
+            _check_match(send, sdt, recv, dt, _scatter_rows(backend, send.shape, "sendbuf"))
+    except OnDevice:
+        return _on_device("reduce_scatter", backend, sendbuf, recvbuf, op)
+    check_op_dtype(op, dt, "buf" if recvbuf is None else "sendbuf")
+    if backend.debug:
+        backend._check_call("reduce_scatter", send.shape, dt, op, -1)
+    rank = backend.rank
+    out = sendbuf[rank, ...] if recvbuf is None else recvbuf
+    if dt in HALF_DTYPES and not backend.native_half_reductions:
+        work = to_float32(sendbuf, send)
+        _reduce_scatter_native(backend, work, None, op)
+        write_back(out, send[rank, ...] if recv is None else recv, work[rank, ...])
+    else:
+        _reduce_scatter_native(backend, send, recv, op)
+    return out
+
+
+def _reduce_scatter_native(backend: Backend, send: np.ndarray, recv: np.ndarray | None, op: ReduceOp) -> None:
+    if op is _AVG and not backend.native_avg:
+        backend._reduce_scatter(send, recv, _SUM)
+        target = send[backend.rank, ...] if recv is None else recv
+        np.divide(target, backend.size, out=target)
+    else:
+        backend._reduce_scatter(send, recv, op)
+
+
 def barrier(backend: Backend) -> None:
     """Return once every rank has called ``barrier``."""
     check_backend(backend, "barrier")
@@ -327,9 +437,16 @@ def _on_stream(  # noqa: PLR0917 - private; mirrors the public collectives' argu
     if not recv.is_contiguous():
         raise not_contiguous(rname, recv.shape)
     send = None
+    if kind == "reduce_scatter" and recvbuf is None:
+        _scatter_rows(backend, tuple(recv.shape), "buf")
     if recvbuf is not None and sendbuf is not recvbuf:
         send = cuda_tensor(sendbuf, "sendbuf").contiguous()
-        shape = (backend.size, *send.shape) if kind == "allgather" else tuple(send.shape)
+        if kind == "allgather":
+            shape = (backend.size, *send.shape)
+        elif kind == "reduce_scatter":
+            shape = _scatter_rows(backend, tuple(send.shape), "sendbuf")
+        else:
+            shape = tuple(send.shape)
         if tuple(recv.shape) != shape:
             raise ValueError(
                 f"recvbuf: got shape {tuple(recv.shape)}, expected {shape} (from sendbuf {tuple(send.shape)})"
@@ -342,12 +459,13 @@ def _on_stream(  # noqa: PLR0917 - private; mirrors the public collectives' argu
             raise ValueError(f"sendbuf is on {send.device} and recvbuf on {recv.device}; pass buffers on one device")
     if op is not None:
         check_op_dtype(op, torch_dtype_name(recv), "buf" if send is None else "sendbuf")
+    result = out[backend.rank, ...] if kind == "reduce_scatter" and send is None else out
     if backend.takes_device_buffers:
         if backend.debug:
-            shape = tuple((send if kind == "allgather" else recv).shape)
+            shape = tuple((send if kind in ("allgather", "reduce_scatter") and send is not None else recv).shape)
             backend._check_call(kind, shape, torch_dtype_name(recv), op, root if kind in ("bcast", "reduce") else -1)
         backend._device_collective(kind, send, recv, op, root)
-        return out
+        return result
     # Staged: copy to reused pinned host buffers (the copy waits for the current stream), run
     # the host collective, copy back.
     host_recv = pinned_like(backend, "recv", recv)
@@ -365,7 +483,12 @@ def _on_stream(  # noqa: PLR0917 - private; mirrors the public collectives' argu
             reduce(backend, host_send, host_recv, op, root=root)
     elif kind == "bcast":
         bcast(backend, host_recv, root=root) if host_send is None else bcast(backend, host_send, host_recv, root=root)
+    elif kind == "reduce_scatter":
+        if host_send is None:
+            reduce_scatter(backend, host_recv, op)
+        else:
+            reduce_scatter(backend, host_send, host_recv, op)
     else:
         allgather(backend, host_send, host_recv)
     recv.copy_(host_recv)
-    return out
+    return result

@@ -75,7 +75,8 @@ class Backend(abc.ABC):
     ``dml.initialize(BackendType)`` once, then ``dml.get_distributed_backend(BackendType)``.
 
     Subclasses implement the primitives (``_allreduce``, ``_bcast``, ``_reduce``,
-    ``_allgather``, ``_barrier``, ``_bcast_bytes``, ``_allgather_bytes``, ``_abort``).
+    ``_allgather``, ``_barrier``, ``_bcast_bytes``, ``_allgather_bytes``, ``_abort``;
+    ``_reduce_scatter`` has a default built on ``_allreduce``).
     They receive C-contiguous NumPy arrays that were validated by
     :mod:`distutils_ml.collectives`: matching shapes and dtypes on this rank, a known op,
     a root in range. ``AVG`` and half-precision reductions are handled by the caller
@@ -157,6 +158,18 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def _allgather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         """Write rank k's ``sendbuf`` into ``recvbuf[k]`` on every rank."""
+
+    def _reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, op: ReduceOp) -> None:
+        """Write the op over ranks of every rank's ``sendbuf[rank]`` into ``recvbuf`` (``recvbuf`` None: in place).
+
+        ``sendbuf`` has a leading axis of ``size``; ``recvbuf`` is shaped like ``sendbuf[0]``. In place,
+        the result lands in ``sendbuf[rank]`` and the other rows stay unchanged. ``op`` is ``AVG``
+        only where ``native_avg`` is True. This default allreduces a copy of the whole buffer (W
+        times the traffic of a real reduce-scatter); backends override it.
+        """
+        work = sendbuf.copy()
+        self._allreduce(None, work, op)
+        np.copyto(sendbuf[self.rank] if recvbuf is None else recvbuf, work[self.rank])
 
     @abc.abstractmethod
     def _barrier(self) -> None:

@@ -351,6 +351,15 @@ class LocalBackend(Backend):
         for k, part in enumerate(parts):
             np.copyto(recvbuf[k, ...], part)
 
+    def _reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, op: ReduceOp) -> None:
+        out = sendbuf[self._rank, ...] if recvbuf is None else recvbuf
+        if self._world is None:
+            if recvbuf is not None:
+                np.copyto(recvbuf, sendbuf[0, ...])
+            return
+        parts = self._exchange(sendbuf.copy(), _fingerprint("reduce_scatter", sendbuf, op))
+        _reduce_into(out, tuple(part[self._rank, ...] for part in parts), op)
+
     def _barrier(self) -> None:
         if self._world is not None:
             self._exchange(None, _fingerprint("barrier", None))

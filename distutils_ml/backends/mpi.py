@@ -59,6 +59,7 @@ _KINDS = {
     "barrier": 5,
     "bcast_object": 6,
     "allgather_object": 7,
+    "reduce_scatter": 8,
 }
 #: The most bytes one MPI call moves: Open MPI 5 has no big-count calls (counts are C ints), so
 #: everything larger travels in pieces of this size.
@@ -335,6 +336,41 @@ class MPIBackend(Backend):
         finally:
             self._inflight = None
 
+    def _reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, op: ReduceOp) -> None:
+        """``Reduce_scatter_block``; in place through a scratch row (MPI's in-place form would put the
+        result in row 0); above ``segment_bytes``, column blocks of every row packed into one scratch
+        piece at a time (a piece of the send buffer is not contiguous)."""
+        if sendbuf.dtype is _BOOL:
+            sendbuf = sendbuf.view(np.uint8)
+            recvbuf = None if recvbuf is None else recvbuf.view(np.uint8)
+        size = self._size
+        rows = sendbuf.reshape(size, -1)
+        out = rows[self._rank] if recvbuf is None else recvbuf.reshape(-1)
+        mop = self._ops[op]
+        self._begin("reduce_scatter", sendbuf, op)
+        try:
+            if sendbuf.nbytes <= self._piece_bytes:
+                target = np.empty_like(out) if recvbuf is None else out
+                self.comm.Reduce_scatter_block(rows, target, mop)
+                if op is _AVG:
+                    _average(target, size)
+                if recvbuf is None:
+                    np.copyto(out, target)
+                return
+            n = rows.shape[1]
+            step = min(n, max(1, self._piece_bytes // (size * rows.itemsize)))
+            scratch = np.empty(size * step, dtype=rows.dtype)
+            for i in range(0, n, step):
+                m = min(step, n - i)
+                pack = scratch[: size * m].reshape(size, m)
+                np.copyto(pack, rows[:, i : i + m])
+                piece = out[i : i + m]
+                self.comm.Reduce_scatter_block(pack, piece, mop)
+                if op is _AVG:  # while the piece is still in cache
+                    _average(piece, size)
+        finally:
+            self._inflight = None
+
     def _barrier(self) -> None:
         self._begin("barrier", None)
         try:
@@ -393,7 +429,9 @@ class MPIBackend(Backend):
             work = (recv if send is None else send).float()
             stream.synchronize()
             self._device_collective(kind, None, work, op, root)
-            if kind == "allreduce" or self._rank == root:
+            if kind == "reduce_scatter":
+                (recv[self._rank] if send is None else recv).copy_(work[self._rank])
+            elif kind == "allreduce" or self._rank == root:
                 recv.copy_(work)
             return
         if recv.dtype == torch.bool:
@@ -410,6 +448,12 @@ class MPIBackend(Backend):
                 self.comm.Bcast(recv, root)
             elif kind == "allreduce":
                 self.comm.Allreduce(self._in_place if send is None else send, recv, self._ops[op])
+            elif kind == "reduce_scatter":  # in place through a scratch row, as on host buffers
+                row = recv[self._rank] if send is None else recv
+                target = torch.empty_like(row) if send is None else row
+                self.comm.Reduce_scatter_block(recv if send is None else send, target, self._ops[op])
+                if send is None:
+                    row.copy_(target)
             else:
                 is_root = self._rank == root
                 if send is None:
@@ -419,7 +463,9 @@ class MPIBackend(Backend):
                 self.comm.Reduce(s, r, self._ops[op], root)
         finally:
             self._inflight = None
-        if op is ReduceOp.AVG and (kind == "allreduce" or self._rank == root):
+        if op is ReduceOp.AVG and kind == "reduce_scatter":
+            (recv[self._rank] if send is None else recv).div_(self._size)
+        elif op is ReduceOp.AVG and (kind == "allreduce" or self._rank == root):
             recv.div_(self._size)
 
 

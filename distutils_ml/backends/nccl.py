@@ -4,7 +4,8 @@
 is then true too), puts this process on a GPU (``cuda_devices``), creates the NCCL
 unique id on rank 0 and broadcasts it over MPI, and builds one communicator.
 
-CUDA buffers (torch CUDA tensors, CuPy arrays) go through NCCL on torch's current
+CUDA buffers (torch CUDA tensors, CuPy arrays) go through NCCL (``ncclAllReduce``,
+``ncclReduce``, ``ncclBroadcast``, ``ncclAllGather``, ``ncclReduceScatter``) on torch's current
 CUDA stream, so they are ordered after the kernels that produced them; float16 and
 bfloat16 reduce natively and ``AVG`` maps to NCCL's ``ncclAvg`` (NCCL >= 2.10). CPU
 buffers and Python objects go through the MPI backend (Lux's design), so
@@ -155,6 +156,9 @@ class NCCLBackend(Backend):
     def _allgather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         self.mpi._allgather(sendbuf, recvbuf)
 
+    def _reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, op: ReduceOp) -> None:
+        self.mpi._reduce_scatter(sendbuf, recvbuf, op)
+
     def _barrier(self) -> None:
         self.mpi._barrier()
 
@@ -203,6 +207,14 @@ class NCCLBackend(Backend):
         assert op is not None
         avg_native = op is not ReduceOp.AVG or self.nccl_version >= _NCCL_AVG_VERSION
         nop = _NCCL_OPS[op if avg_native else ReduceOp.SUM]
+        if kind == "reduce_scatter":
+            # In place is NCCL's own form: recvbuff == sendbuff + rank * recvcount (other rows are only read).
+            row = recv[self.rank] if send is None else recv
+            if row.numel():
+                comm.reduceScatter(sptr, row.data_ptr(), row.numel(), dtype, nop, stream)
+                if not avg_native:
+                    row.div_(self.size)
+            return
         if kind == "allreduce":
             comm.allReduce(sptr, rptr, count, dtype, nop, stream)
             if not avg_native:
