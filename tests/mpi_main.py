@@ -176,15 +176,17 @@ def topology_check(world: dml.Backend) -> dict[str, Any]:
 
     one_node = len(set(hosts)) == 1
     assert world.segment_bytes == (DEFAULT_SEGMENT_BYTES if one_node else NETWORK_SEGMENT_BYTES), world.segment_bytes
-    # Gradient buckets on CPU: at the end of backward (unless DML_OVERLAP says otherwise), 256 KiB buckets on one
-    # node and 4 MiB ones across nodes.
+    # Gradient buckets on CPU: at the end of backward over MPI on one node, 256 KiB; across nodes during backward
+    # (overlap) over the TCP ring, 4 MiB (unless DML_OVERLAP / DML_TRANSPORT say otherwise).
     import os
 
     import torch
 
     opt = dml.DistributedOptimizer(world, torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
-    if "DML_OVERLAP" not in os.environ:
-        assert opt.overlap is False, (opt.overlap, hosts)
+    if "DML_OVERLAP" not in os.environ and "DML_TRANSPORT" not in os.environ:
+        assert opt.overlap is (not one_node), (opt.overlap, hosts)
+        opt._reducer.plan(world)
+        assert (opt._reducer._ring is None) is one_node, (opt._reducer._ring, hosts)
     assert opt._reducer.bucket_bytes == (256 << 10 if one_node else 4 << 20), opt._reducer.bucket_bytes
     if rank == 0:
         print("TOPOLOGY " + " ".join(f"{r}:{h}:{local}/{n}" for r, (h, local, n) in enumerate(every)), flush=True)

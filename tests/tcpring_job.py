@@ -1,0 +1,128 @@
+"""The MPI job of tests/test_tcpring.py: ``mpiexec -n N python tests/tcpring_job.py CHECK`` with ``DML_TRANSPORT=tcp``.
+
+``ring``: the TCP ring's allreduce against the op over every rank's buffer (hypothesis: sizes,
+dtypes, ops), the result bit-identical on every rank; and the gradient buckets of a model
+going over it. ``agree``: ``DML_TRANSPORT`` set differently on the ranks is a ValueError on
+every rank. Rank 0 ends with ``TCPRING CHECKS PASSED``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import signal
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+
+import distutils_ml as dml
+from distutils_ml.backends.base import ReduceOp
+from distutils_ml.tcpring import ring_for
+
+from mpi_main import hypothesis_check, run_checks
+
+DTYPES = (np.float32, np.float64, np.int32, np.int64)
+REFERENCE = {
+    ReduceOp.SUM: lambda a: a.sum(0),
+    ReduceOp.AVG: lambda a: a.sum(0) / a.shape[0],
+    ReduceOp.PROD: lambda a: a.prod(0),
+    ReduceOp.MAX: lambda a: a.max(0),
+    ReduceOp.MIN: lambda a: a.min(0),
+}
+
+
+@dataclass(frozen=True)
+class RingCase:
+    shape: tuple[int, ...]
+    dtype: type
+    op: ReduceOp
+    seed: int
+
+
+@st.composite
+def ring_cases(draw: st.DrawFn) -> RingCase:
+    dtype = draw(st.sampled_from(DTYPES))
+    ops = [op for op in REFERENCE if op is not ReduceOp.AVG or np.dtype(dtype).kind == "f"]
+    n = draw(st.one_of(st.integers(0, 9), st.integers(10, 5000), st.integers(1 << 20, (3 << 20) + 5)))
+    shape = draw(st.sampled_from([(n,), (1, n), (n, 1)]))
+    return RingCase(shape, dtype, draw(st.sampled_from(ops)), draw(st.integers(0, 2**31 - 1)))
+
+
+def ring_body(world: dml.Backend, case: RingCase) -> None:
+    ring = ring_for(world)
+    assert ring is not None, "DML_TRANSPORT=tcp must give a ring"
+    rng = np.random.default_rng(case.seed)
+    every = rng.integers(-3, 4, size=(world.size, *case.shape)).astype(case.dtype)
+    if every.dtype.kind == "f":
+        every += rng.standard_normal(every.shape).astype(case.dtype)
+    x = every[world.rank].copy()
+    assert ring.supports(x, case.op)
+    ring.allreduce(x, case.op)
+    expected = REFERENCE[case.op](every).astype(case.dtype)
+    if x.dtype.kind == "f":
+        np.testing.assert_allclose(x, expected, rtol=1e-5, atol=1e-5)
+    else:
+        np.testing.assert_array_equal(x, expected)
+    gathered = np.empty((world.size, *x.shape), x.dtype)
+    dml.allgather(world, x, gathered)
+    assert (gathered == gathered[0]).all(), "the ring's result differs across ranks"
+
+
+def buckets_body(world: dml.Backend) -> None:
+    """A model's gradients go over the ring during backward: .grad is the average, replicas stay identical."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))
+    model = dml.synchronize(world, model)
+    opt = dml.DistributedOptimizer(world, torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=64 << 10)
+    assert opt.overlap, "DML_TRANSPORT=tcp turns overlap on by default"
+    g = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(world.size * 16, 64, generator=g), torch.randint(0, 8, (world.size * 16,), generator=g)
+    mine = slice(world.rank * 16, (world.rank + 1) * 16)
+    torch.nn.functional.cross_entropy(model(xs[mine]), ys[mine]).backward()
+    for p, mean in zip(model.parameters(), _mean_grads(world, model, xs, ys), strict=True):
+        torch.testing.assert_close(p.grad, mean, rtol=1e-5, atol=1e-6)
+    opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = torch.empty(world.size, flat.numel())
+    dml.allgather(world, flat, every)
+    assert (every == every[0]).all(), "parameters differ across ranks"
+
+
+def _mean_grads(world: dml.Backend, model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor) -> list[torch.Tensor]:
+    import copy
+
+    local = copy.deepcopy(model)
+    per_rank = []
+    for r in range(world.size):
+        local.zero_grad()
+        part = slice(r * 16, (r + 1) * 16)
+        torch.nn.functional.cross_entropy(local(xs[part]), ys[part]).backward()
+        per_rank.append([p.grad.clone() for p in local.parameters()])
+    return [sum(gs) / world.size for gs in zip(*per_rank, strict=True)]
+
+
+def agree_body(world: dml.Backend) -> str:
+    try:
+        ring_for(world)
+    except ValueError as e:
+        assert "DML_TRANSPORT differs across ranks" in str(e), e
+        return str(e)
+    raise AssertionError("DML_TRANSPORT set differently on the ranks was accepted")
+
+
+def main(names: list[str]) -> None:
+    faulthandler.register(signal.SIGUSR1)  # the test runner asks for stacks before killing a hung job
+    dml.initialize(dml.MPIBackend)
+    world = dml.get_distributed_backend(dml.MPIBackend)
+    checks = {
+        "ring": lambda: hypothesis_check(world, ring_body, ring_cases(), 40),
+        "buckets": lambda: buckets_body(world),
+        "agree": lambda: agree_body(world),
+    }
+    run_checks(world, names, "TCPRING CHECKS PASSED", lambda name: checks[name]())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
