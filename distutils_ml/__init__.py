@@ -27,6 +27,7 @@ from distutils_ml.optimizer import (
 )
 from distutils_ml.printing import print
 from distutils_ml.registry import get_distributed_backend, initialize, initialized, local_rank, total_workers
+from distutils_ml.sharded import ShardedOptimizer
 from distutils_ml.synchronize import synchronize
 from distutils_ml.watchdog import CollectiveMismatchError, StallError
 
@@ -53,6 +54,7 @@ __all__ = [
     "MPIBackend",
     "NCCLBackend",
     "ReduceOp",
+    "ShardedOptimizer",
     "StallError",
     "SyncBatchNorm",
     "UnpaddedShare",

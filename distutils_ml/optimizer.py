@@ -269,6 +269,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             computes on); ``DML_OVERLAP=1/0`` changes the default.
         backward_passes_per_step: reduce only every k-th backward (Horovod's option):
             k backward passes accumulate locally, the k-th reduces their sum once.
+        shard_state: True shards the optimizer state over the ranks (ZeRO-1): the result
+            is a :class:`~distutils_ml.ShardedOptimizer`, with 1/W of the state per rank
+            (elementwise optimizers only; see its documentation for what differs).
 
     Example:
         >>> model = dml.synchronize(backend, torch.nn.Linear(4, 1))
@@ -278,6 +281,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         >>> model(torch.ones(2, 4)).sum().backward()
         >>> opt.step()  # the gradients were averaged over all ranks in backward(); this steps
     """
+
+    def __new__(cls, *args: Any, shard_state: bool = False, **kwargs: Any) -> DistributedOptimizer:
+        if not isinstance(shard_state, bool):
+            raise TypeError(f"shard_state: got {shard_state!r}; allowed: True or False")
+        if shard_state and cls is DistributedOptimizer:
+            from distutils_ml.sharded import ShardedOptimizer
+
+            return super().__new__(ShardedOptimizer)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -289,8 +301,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         communication_dtype: torch.dtype | None = None,
         overlap: bool | None = None,
         backward_passes_per_step: int = 1,
+        shard_state: bool = False,
     ) -> None:
         check_backend(backend, "DistributedOptimizer")
+        if shard_state:
+            raise TypeError(
+                f"shard_state=True: {type(self).__qualname__} subclasses DistributedOptimizer, which shards only as "
+                "itself; subclass dml.ShardedOptimizer instead"
+            )
         if (
             isinstance(backward_passes_per_step, bool)
             or not isinstance(backward_passes_per_step, int)

@@ -1,0 +1,990 @@
+"""``ShardedOptimizer`` (``DistributedOptimizer(..., shard_state=True)``): optimizer state sharded over ranks (ZeRO-1).
+
+Layout. The parameters of the wrapped optimizer that require gradients move into one
+flat buffer per (dtype, device): each parameter's ``.data`` becomes a view of it, and
+its ``.grad`` a view of a flat gradient buffer laid out alike (gradient-as-bucket-view).
+Each flat buffer is cut into buckets in reverse parameter order, as
+:mod:`distutils_ml.reducer` cuts them (a parameter of at least ``bucket_bytes`` is a
+bucket of its own, smaller ones share buckets of about ``bucket_bytes``), each bucket
+padded to a multiple of W, the number of ranks. Rank r owns piece r of every bucket:
+its shard, a W-th of the elements (elements, not whole parameters, are sharded).
+
+Backward. A bucket is reduce-scattered as soon as all its gradients are accumulated
+(post-accumulate-grad hooks, on the backend's communication thread with ``overlap``, else
+from the autograd engine's final callback), in a fixed order identical on every rank. The
+reduced piece lands in place, in this rank's piece of the flat gradient buffer; the rest
+of ``.grad`` keeps this rank's own gradients. A small header (which ranks have a gradient
+for each parameter, whether the parameters changed, the order in which buckets became
+ready) goes last, in one small reduce-scatter of its own.
+
+Step. A twin of the wrapped optimizer (same class and hyper-parameters) holds one
+tensor per (parameter, piece) overlap, views of the flat parameter buffer, so its state
+is this rank's share. It steps them on the reduced gradients; then every bucket's
+pieces are allgathered back into the flat parameter buffer, which the model's
+parameters are views of. ``state_dict()`` consolidates the full state (collectives);
+``load_state_dict()`` slices a full state into this rank's pieces, for any world size.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
+from distutils_ml.collectives import allgather, allreduce, reduce_scatter
+from distutils_ml.commthread import comm_thread
+from distutils_ml.objects import allgather_object, digest, exclusive
+from distutils_ml.optimizer import DistributedOptimizer, default_bucket_bytes, default_overlap
+from distutils_ml.reducer import (
+    _by_rank,
+    _comm_stream,
+    _describe,
+    _is_slice,
+    _parameters_difference,
+    check_communication_dtype,
+)
+
+__all__ = ["ShardedOptimizer"]
+
+#: Optimizers whose update of each element depends only on that element's gradient and state.
+ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.ASGD,
+    torch.optim.Adadelta,
+    torch.optim.Rprop,
+)
+# Optimizers whose math needs each parameter whole, and why.
+_WHOLE_TENSOR = {
+    "LBFGS": "whose line search uses the norms and dot products of all gradients together",
+    "SparseAdam": "which needs sparse gradients",
+    "Adafactor": "whose factored second moments are the row and column means of each matrix",
+    "Muon": "which orthogonalizes each parameter matrix whole",
+}
+_SETTINGS = ("op", "communication_dtype", "bucket_bytes", "parameters")
+_FIX = "Create DistributedOptimizer with shard_state=True and the same op, bucket_bytes and communication_dtype"
+_NAMES = ", ".join(c.__name__ for c in ELEMENTWISE)
+
+
+def check_shardable(optimizer: torch.optim.Optimizer) -> None:
+    """``TypeError`` unless each element of ``optimizer``'s update depends only on that element's data."""
+    for name, why in _WHOLE_TENSOR.items():
+        cls = getattr(torch.optim, name, None)
+        if cls is not None and isinstance(optimizer, cls):
+            raise TypeError(
+                f"optimizer: got torch.optim.{name}, {why}; with shard_state=True every rank steps its own "
+                "W-th of each parameter's elements, which only elementwise optimizers allow. Use "
+                f"shard_state=False with it, or an elementwise optimizer ({_NAMES})"
+            )
+    if not isinstance(optimizer, ELEMENTWISE):
+        raise TypeError(
+            f"optimizer: got {type(optimizer).__qualname__}, not known to be elementwise; shard_state=True steps "
+            "each rank's W-th of every parameter's elements as 1-D pieces, which is right only when each "
+            f"element's update depends on nothing but its own gradient and state. Allowed: torch.optim.{_NAMES} "
+            "(and subclasses). Use shard_state=False for other optimizers"
+        )
+
+
+@dataclass
+class _Flat:
+    """The flat parameter and gradient buffers of one (dtype, device)."""
+
+    values: torch.Tensor
+    grads: torch.Tensor
+    shard: int = 0  # elements of it this rank owns (the same on every rank)
+
+
+@dataclass
+class _Bucket:
+    """A contiguous range of one flat buffer, reduce-scattered and allgathered in one collective each."""
+
+    flat: _Flat
+    params: list[int]  # in the order of their elements
+    start: int
+    piece: int  # elements per rank: the bucket is size * piece long (with padding at its end)
+    values: torch.Tensor  # (size, piece) view of the flat parameters
+    grads: torch.Tensor  # (size, piece) view of the flat gradients
+    shard_at: int  # where this rank's piece starts in its shard of the flat buffer
+
+
+@dataclass
+class _Piece:
+    """This rank's part of one parameter: elements ``lo:hi`` of ``p.reshape(-1)``."""
+
+    index: int
+    tensor: torch.Tensor  # what the shard optimizer steps: shaped like the parameter if whole, else 1-D
+    grad: torch.Tensor | None  # the matching view of the flat gradients (None: a parameter outside the buffers)
+    lo: int
+    hi: int
+    whole: bool
+    shard_at: int = -1  # where it starts in this rank's shard of its flat buffer
+
+
+@dataclass
+class _Round:
+    """One reduction: which parameters fired, which buckets are ready and which have gone."""
+
+    task: int
+    waiting: list[int]
+    ready_at: list[int]
+    has: list[bool]  # per parameter: this rank had a gradient when its bucket went
+    fired: set[int] = field(default_factory=set)
+    ready: int = 0
+    sent: int = 0
+    changed: bool = False
+    events: list[Any] = field(default_factory=list)
+
+
+class ShardedOptimizer(DistributedOptimizer):
+    """``DistributedOptimizer`` whose optimizer state is sharded over the ranks (ZeRO-1).
+
+    Create it as ``dml.DistributedOptimizer(backend, optimizer, shard_state=True)``
+    (or by this name). Each rank keeps the optimizer state of a W-th of the parameters'
+    elements: gradients are reduce-scattered during ``backward()`` (each rank receives
+    the reduced gradients of its shard), ``step()`` steps this rank's shard, and the
+    updated parameters are allgathered — the traffic of one allreduce, with 1/W of the
+    optimizer state per rank. The model's parameters become views of one flat buffer
+    per dtype and device, their gradients views of a flat gradient buffer.
+
+    What differs from ``shard_state=False``:
+
+    - After ``backward()`` only this rank's shard of each ``.grad`` is the reduced one;
+      the rest holds this rank's own gradients. Clip with :meth:`clip_grad_norm_`, not
+      ``torch.nn.utils.clip_grad_norm_``. ``torch.amp.GradScaler`` is refused.
+    - ``state_dict()`` is a collective (every rank calls it) and returns the full,
+      unsharded state in torch's format, loadable by any world size and by the
+      unsharded optimizer; ``load_state_dict`` takes such a full state. ``opt.state``
+      is empty: this rank's share is in ``opt.shard_optimizer.state``.
+    - Gradients reduced by a backward are cleared with ``opt.zero_grad()`` before the
+      next backward: accumulating into them raises ``RuntimeError``.
+    - Only elementwise optimizers: ``torch.optim.SGD``, ``Adam``, ``AdamW``, ``RMSprop``,
+      ``Adagrad``, ``Adamax``, ``NAdam``, ``RAdam``, ``ASGD``, ``Adadelta``, ``Rprop``.
+
+    Args:
+        backend: from ``dml.get_distributed_backend``.
+        optimizer: an elementwise ``torch.optim`` optimizer over the model's parameters.
+        op: how gradients combine: ``dml.AVG`` (default) or another reduction.
+        bucket_bytes: about how many bytes of gradients each reduce-scatter carries
+            (default: as ``DistributedOptimizer``).
+        communication_dtype: ``torch.bfloat16`` or ``torch.float16`` to reduce gradients
+            in half precision; None keeps each gradient's dtype.
+        overlap: reduce-scatter buckets on the communication thread while backward
+            computes (True) or all at the end of backward (False); default as
+            ``DistributedOptimizer``.
+        backward_passes_per_step: reduce only every k-th backward (accumulate locally before).
+        shard_state: must be True (the argument ``DistributedOptimizer`` dispatches on).
+
+    Example:
+        >>> model = dml.synchronize(backend, torch.nn.Linear(4, 1))
+        >>> opt = dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters()), shard_state=True)
+        >>> opt.zero_grad()
+        >>> model(torch.ones(2, 4)).sum().backward()
+        >>> opt.step()  # this rank's shard stepped, the parameters allgathered
+    """
+
+    # GradScaler then calls step() whatever it found, and step() refuses it on every rank alike.
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        backend: Backend,
+        optimizer: torch.optim.Optimizer,
+        *,
+        op: Any = ReduceOp.AVG,
+        bucket_bytes: int | None = None,
+        communication_dtype: torch.dtype | None = None,
+        overlap: bool | None = None,
+        backward_passes_per_step: int = 1,
+        shard_state: bool = True,
+    ) -> None:
+        check_backend(backend, "DistributedOptimizer")
+        if shard_state is not True:
+            raise ValueError(
+                f"shard_state: got {shard_state!r}; ShardedOptimizer always shards (use dml.DistributedOptimizer "
+                "for shard_state=False)"
+            )
+        if (
+            isinstance(backward_passes_per_step, bool)
+            or not isinstance(backward_passes_per_step, int)
+            or backward_passes_per_step < 1
+        ):
+            raise ValueError(f"backward_passes_per_step: got {backward_passes_per_step!r}; allowed: an int >= 1")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer: got {type(optimizer).__qualname__}; allowed: a torch.optim.Optimizer, e.g. "
+                "dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters()), shard_state=True)"
+            )
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("optimizer: already a DistributedOptimizer; wrap the plain optimizer once")
+        check_shardable(optimizer)
+        self.op = resolve_op(op)
+        self._wire = check_communication_dtype(communication_dtype)
+        self._bucket_bytes = default_bucket_bytes(backend, bucket_bytes)
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        for p in params:
+            if p.layout != torch.strided:
+                raise TypeError("DistributedOptimizer: sparse parameters are not supported; use dense tensors")
+        self._backend = backend
+        self.optimizer = optimizer
+        self._overlap = default_overlap(backend) if overlap is None else bool(overlap)
+        self._passes_per_step = backward_passes_per_step
+        self._passes = 0
+        self._synchronized = False
+        self._no_sync = False
+        self._late = False
+        self._dirty = False  # a backward accumulated gradients no reduction has covered
+        self._reduced = False  # a backward reduced the gradients since the last step / zero_grad
+        self._stale = False  # the gradient buffers hold a reduction: zero_grad() comes before the next backward
+        self._reduced_flags: np.ndarray | None = None  # after a reduction: which parameters somebody had
+        self._round: _Round | None = None
+        self._skipped_task = -1
+        self._agreed = False
+        self._hooks: list[Any] = []
+        self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._build(params)
+
+    # -- layout ----------------------------------------------------------------------------
+
+    def _build(self, params: list[torch.Tensor]) -> None:
+        """Flat buffers, buckets, this rank's pieces and the shard optimizer over them; hooks on ``params``."""
+        size, rank = self._backend.size, self._backend.rank
+        groups = self._bucket_members(params)
+        starts: dict[tuple[torch.dtype, torch.device], int] = {}
+        placed: list[tuple[tuple[torch.dtype, torch.device], list[int], int, int]] = []
+        offset = [-1] * len(params)
+        for key, members in groups:
+            start = starts.get(key, 0)
+            at = start
+            for i in members:
+                offset[i] = at
+                at += params[i].numel()
+            piece = -(-(at - start) // size)
+            placed.append((key, members, start, piece))
+            starts[key] = start + piece * size
+        flats = {
+            key: _Flat(torch.zeros(total, dtype=key[0], device=key[1]), torch.zeros(total, dtype=key[0], device=key[1]))
+            for key, total in starts.items()
+        }
+        buckets: list[_Bucket] = []
+        bucket_of = [-1] * len(params)
+        for key, members, start, piece in placed:
+            flat = flats[key]
+            region = slice(start, start + piece * size)
+            buckets.append(
+                _Bucket(
+                    flat,
+                    members,
+                    start,
+                    piece,
+                    flat.values[region].view(size, piece),
+                    flat.grads[region].view(size, piece),
+                    flat.shard,
+                )
+            )
+            flat.shard += piece
+            for i in members:
+                bucket_of[i] = len(buckets) - 1
+        views: list[torch.Tensor | None] = [None] * len(params)
+        values: list[torch.Tensor | None] = [None] * len(params)
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                if bucket_of[i] < 0:
+                    continue
+                flat = buckets[bucket_of[i]].flat
+                span = slice(offset[i], offset[i] + p.numel())
+                flat.values[span].copy_(p.detach().reshape(-1))
+                grad = flat.grads[span].view_as(p)
+                if p.grad is not None:
+                    grad.copy_(p.grad.to_dense() if p.grad.layout != torch.strided else p.grad)
+                    p.grad = grad
+                p.data = values[i] = flat.values[span].view_as(p)
+                views[i] = grad
+        pieces: list[_Piece] = []
+        for b in buckets:
+            own = b.start + rank * b.piece
+            for i in b.params:
+                n = params[i].numel()
+                lo, hi = max(offset[i], own) - offset[i], min(offset[i] + n, own + b.piece) - offset[i]
+                if hi <= lo:
+                    continue
+                whole = lo == 0 and hi == n
+                span = slice(offset[i] + lo, offset[i] + hi)
+                tensor, grad = b.flat.values[span], b.flat.grads[span]
+                if whole:
+                    tensor, grad = tensor.view_as(params[i]), grad.view_as(params[i])
+                pieces.append(_Piece(i, tensor, grad, lo, hi, whole, b.shard_at + offset[i] + lo - own))
+        if rank == 0:  # parameters without elements: rank 0 steps them as they are
+            pieces += [_Piece(i, params[i], None, 0, 0, True) for i in range(len(params)) if bucket_of[i] < 0]
+        self._params = params
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._offset = offset
+        self._flats = list(flats.values())
+        self._buckets = buckets
+        self._bucket_of = bucket_of
+        self._views = views
+        self._values = values
+        self._pieces = pieces
+        self._head = torch.zeros(size, len(params) + 1 + 3 * len(buckets), dtype=torch.float64)
+        self._scratch.clear()
+        self._inner = self._shard_optimizer(pieces)
+        self._scatter_state()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+
+    def _bucket_members(self, params: list[torch.Tensor]) -> list[tuple[tuple[torch.dtype, torch.device], list[int]]]:
+        """Parameter indices per bucket, in the order buckets are sent (reverse parameter order, as the reducer)."""
+        groups: list[tuple[tuple[torch.dtype, torch.device], list[int]]] = []
+        open_: dict[tuple[torch.dtype, torch.device], tuple[list[int], list[int]]] = {}
+        for i in reversed(range(len(params))):
+            p = params[i]
+            if p.numel() == 0:
+                continue
+            key = (p.dtype, p.device)
+            nbytes = p.numel() * (self._wire or p.dtype).itemsize
+            if nbytes >= self._bucket_bytes:
+                groups.append((key, [i]))
+                continue
+            members, total = open_.setdefault(key, ([], [0]))
+            members.append(i)
+            total[0] += nbytes
+            if total[0] >= self._bucket_bytes:
+                del open_[key]
+                groups.append((key, members))
+        for key, (members, _) in sorted(open_.items(), key=lambda kv: -min(kv[1][0])):
+            groups.append((key, members))
+        return groups
+
+    def _shard_optimizer(self, pieces: list[_Piece]) -> torch.optim.Optimizer:
+        """An optimizer of the wrapped one's class over ``pieces``, one group per wrapped group."""
+        group_of = {id(p): g for g, group in enumerate(self.optimizer.param_groups) for p in group["params"]}
+        members: list[list[torch.Tensor]] = [[] for _ in self.optimizer.param_groups]
+        for pc in pieces:
+            pc.tensor.grad = pc.grad
+            members[group_of[id(self._params[pc.index])]].append(pc.tensor)
+        groups = [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": m}
+            for group, m in zip(self.optimizer.param_groups, members, strict=True)
+        ]
+        cls = type(self.optimizer)
+        accepted = inspect.signature(cls.__init__).parameters
+        kwargs = {k: v for k, v in self.optimizer.defaults.items() if k in accepted}
+        try:
+            return cls(groups, **kwargs)
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"optimizer: could not create a second {cls.__qualname__} over this rank's shard as "
+                f"{cls.__qualname__}(param_groups, **defaults) ({type(e).__name__}: {e}); shard_state=True needs "
+                "the optimizer's class to accept its own defaults as keyword arguments. Use shard_state=False"
+            ) from e
+
+    def _sync_hyper(self) -> None:
+        """The wrapped optimizer's hyper-parameters (an LR scheduler changes those) into the shard optimizer."""
+        for outer, inner in zip(self.optimizer.param_groups, self._inner.param_groups, strict=True):
+            for k, v in outer.items():
+                if k != "params":
+                    inner[k] = v
+
+    @property
+    def shard_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer that steps this rank's shard: the wrapped one's class over 1-D pieces of the parameters.
+
+        Its ``state`` is this rank's share of the optimizer state (read it to measure memory).
+        """
+        return self._inner
+
+    @property
+    def overlap(self) -> bool:
+        """Whether buckets are reduce-scattered on the communication thread while backward runs."""
+        return self._overlap
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizer(op={self.op!r}, optimizer={self.optimizer!r})"
+
+    # -- agreement ---------------------------------------------------------------------------
+
+    def _agree(self) -> None:
+        """Raise ``ValueError`` on every rank unless every rank shards alike (one small allgather)."""
+        backend, params = self._backend, self._params
+        shapes = [f"{tuple(p.shape)} {p.dtype} {p.device.type}" for p in params]
+        op = f"{self.op!r} with shard_state=True"
+        settings = (op, repr(self._wire), repr(self._bucket_bytes), repr(shapes))
+        mine = np.array([digest(s) for s in settings], dtype=np.int64)
+        every = np.empty((backend.size, mine.size), dtype=np.int64)
+        allgather(backend, mine, every)
+        if not (every == every[0]).all():
+            values = allgather_object(backend, (op, self._wire, self._bucket_bytes, _describe(params, self._labels())))
+            lines = []
+            for k, name in enumerate(_SETTINGS):
+                if (every[:, k] != every[0, k]).any():
+                    column = [v[k] for v in values]
+                    lines.append(_parameters_difference(column) if name == "parameters" else _by_rank(name, column))
+            raise ValueError(
+                f"DistributedOptimizer: the ranks are configured differently: {'; '.join(lines)}. {_FIX}, over "
+                "the same parameters in the same order (same shapes, dtypes and device types), on every rank"
+            )
+        self._agreed = True
+
+    def _changed(self) -> bool:
+        """Whether the wrapped optimizer's parameters, or where they live, changed since the layout was built."""
+        current = self._params_now()
+        if len(current) != len(self._params) or any(p is not q for p, q in zip(current, self._params, strict=True)):
+            return True
+        return any(
+            v is not None and (p.data_ptr() != v.data_ptr() or p.shape != v.shape)
+            for p, v in zip(self._params, self._values, strict=True)
+        )
+
+    def _params_now(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
+
+    # -- reduction during backward -------------------------------------------------------------
+
+    def _hook(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: ``param.grad`` holds this backward's gradient."""
+        task = torch._C._current_graph_task_id()
+        state = self._round
+        if state is not None and state.task != task:
+            self._second_backward()
+        if state is None:
+            if self._skipped_task != task:
+                self._check_stale()
+                if self._skip_backward():
+                    self._skipped_task = task
+            if self._skipped_task == task:
+                self._adopt(param)
+                return
+            state = self._start(task)
+        i = self._index.get(id(param))
+        if i is None or self._params[i] is not param:
+            state.changed = True
+            return
+        self._adopt(param)
+        if i in state.fired:
+            return
+        state.fired.add(i)
+        k = self._bucket_of[i]
+        if k < 0:
+            return
+        state.waiting[k] -= 1
+        if state.waiting[k] == 0:
+            state.ready_at[k] = state.ready
+            state.ready += 1
+            if self._overlap:
+                self._send_ready(state)
+
+    def _adopt(self, param: torch.Tensor) -> None:
+        """Make ``param.grad`` its view of the flat gradient buffer, copying a fresh gradient in."""
+        i = self._index.get(id(param))
+        if i is None or self._params[i] is not param:
+            return
+        view, g = self._views[i], param.grad
+        if view is None or g is None or _is_slice(g, view):
+            return
+        with torch.no_grad():
+            view.copy_(g.to_dense() if g.layout != torch.strided else g)
+        param.grad = view
+
+    def _check_stale(self) -> None:
+        """Raise if the gradient buffers still hold a reduction that a backward would add to."""
+        if not self._stale:
+            return
+        if not any(v is not None and p.grad is not None and _is_slice(p.grad, v) for p, v in self._view_pairs()):
+            self._stale = False  # every gradient was cleared (model.zero_grad()) or replaced
+            return
+        raise RuntimeError(
+            "DistributedOptimizer(shard_state=True): a backward() would add to gradients that were already "
+            "reduce-scattered (only this rank's shard of them holds the reduced values, so a second reduction "
+            "would be wrong). Call opt.zero_grad() after each step; accumulate micro-batches inside opt.no_sync() "
+            "(or with backward_passes_per_step) before the reducing backward, and call opt.synchronize() only after "
+            "the step's last backward"
+        )
+
+    def _view_pairs(self) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        return zip(self._params, self._views, strict=True)
+
+    def _start(self, task: int) -> _Round:
+        """The first hook of a reducing backward: agree, check the parameters, queue the final callback."""
+        if not self._agreed:
+            self._agree()
+        state = self._round = self._new_round(task)
+        state.changed = self._changed()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        return state
+
+    def _new_round(self, task: int) -> _Round:
+        nb = len(self._buckets)
+        return _Round(task, [len(b.params) for b in self._buckets], [-1] * nb, [False] * len(self._params))
+
+    def _second_backward(self) -> None:
+        state = self._round
+        assert state is not None
+        self._reset_round()
+        raise RuntimeError(
+            "DistributedOptimizer: a second backward() started before the gradients of the previous one were "
+            f"reduced (it {'was interrupted' if state.sent < len(self._buckets) else 'has not finished'}: "
+            f"{state.sent} of {len(self._buckets)} buckets sent). Gradients are reduced before backward() "
+            "returns; run one backward at a time on one thread, and after a backward that raised, clear the "
+            "gradients (zero_grad()) before the next one"
+        )
+
+    def _reset_round(self) -> None:
+        """Forget a reduction a failed backward left unfinished (after its sent buckets have gone)."""
+        if self._round is not None and self._backend._comm is not None:
+            self._backend._comm.wait(errors=False)
+        self._round = None
+
+    def _end_of_backward(self) -> None:
+        """Final callback of the autograd engine: send what is left, wait, finish."""
+        state = self._round
+        if state is None:
+            return
+        try:
+            if self._overlap:
+                self._flush(state, overlap=True)
+            else:
+                with exclusive(self._backend, "DistributedOptimizer"):
+                    self._flush(state, overlap=False)
+            self._finish(state)
+        finally:
+            self._round = None
+        self._reduced = True
+        self._dirty = False
+
+    def _send_ready(self, state: _Round) -> None:
+        while state.sent < len(self._buckets) and state.waiting[state.sent] == 0:
+            self._send(state, state.sent, overlap=True)
+
+    def _flush(self, state: _Round, *, overlap: bool) -> None:
+        """Send every bucket not sent yet, in order (missing gradients count as zeros), the header, then wait."""
+        while state.sent < len(self._buckets):
+            self._send(state, state.sent, overlap=overlap)
+        self._write_head(state)
+        head = self._head
+        self._stale = True
+        if overlap:
+            worker = comm_thread(self._backend)
+            worker.submit(lambda: reduce_scatter(self._backend, head, ReduceOp.SUM))
+            worker.wait()
+            for event in state.events:  # the next kernels on the autograd stream see the reduced gradients
+                torch.cuda.current_stream().wait_event(event)
+        else:
+            reduce_scatter(self._backend, head, ReduceOp.SUM)
+
+    def _send(self, state: _Round, k: int, *, overlap: bool) -> None:
+        bucket = self._buckets[k]
+        state.sent += 1
+        with torch.no_grad():
+            for i in bucket.params:
+                p, view = self._params[i], self._views[i]
+                assert view is not None
+                state.has[i] = p.grad is not None
+                if p.grad is None:  # zeros here (the header says whether any rank had a gradient)
+                    view.zero_()
+                    p.grad = view
+                else:
+                    self._adopt(p)
+        if not overlap:
+            self._reduce_bucket(bucket)
+            return
+        comm_thread(self._backend).submit(self._job(bucket, state))
+
+    def _job(self, bucket: _Bucket, state: _Round) -> Callable[[], None]:
+        if not bucket.grads.is_cuda:
+            return lambda: self._reduce_bucket(bucket)
+        # The gradient kernels run on the autograd stream: the bucket goes on a stream of its own after them.
+        device = bucket.grads.device
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+        stream = _comm_stream(device)
+        done = torch.cuda.Event()
+        state.events.append(done)
+
+        def run() -> None:
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                self._reduce_bucket(bucket)
+                done.record(stream)
+
+        return run
+
+    def _reduce_bucket(self, bucket: _Bucket) -> None:
+        """Reduce-scatter one bucket in place: this rank's piece of the flat gradients becomes the reduced one."""
+        grads = bucket.grads
+        if self._wire is None or self._wire == grads.dtype:
+            reduce_scatter(self._backend, grads, self.op)
+            return
+        wire = self._scratch_for(self._wire, grads.device, grads.numel()).view(grads.shape)
+        wire.copy_(grads)
+        reduce_scatter(self._backend, wire, self.op)
+        rank = self._backend.rank
+        grads[rank].copy_(wire[rank])
+
+    def _scratch_for(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
+        """A reused buffer of at least ``numel`` elements (the largest bucket's, at most)."""
+        key = (dtype, device)
+        have = self._scratch.get(key)
+        if have is None or have.numel() < numel:
+            largest = max(b.grads.numel() for b in self._buckets if b.grads.device == device)
+            have = self._scratch[key] = torch.empty(max(largest, numel), dtype=dtype, device=device)
+        return have[:numel]
+
+    def _write_head(self, state: _Round) -> None:
+        """Every row: which parameters have a gradient here, the changed mark, each bucket's ready position."""
+        n, nb = len(self._params), len(self._buckets)
+        row = np.zeros(n + 1 + 3 * nb, dtype=np.float64)
+        for i, p in enumerate(self._params):
+            row[i] = 1.0 if (state.has[i] if self._bucket_of[i] >= 0 else p.grad is not None) else 0.0
+        row[n] = 1.0 if state.changed else 0.0
+        order = row[n + 1 :].reshape(nb, 3)
+        for k, at in enumerate(state.ready_at):
+            if at >= 0 and state.task >= 0:
+                order[k] = (1.0, at, at * at)
+        self._head.copy_(torch.from_numpy(row).expand_as(self._head))
+
+    def _finish(self, state: _Round) -> None:
+        """After every bucket: ``.grad`` None where no rank had one; the header's checks."""
+        size, n, nb = self._backend.size, len(self._params), len(self._buckets)
+        row = self._head[self._backend.rank].numpy()
+        somebody = row[:n] > 0
+        self._reduced_flags = somebody
+        for i, p in enumerate(self._params):
+            if not somebody[i] and self._views[i] is not None:
+                p.grad = None
+        if row[n] > 0:
+            raise RuntimeError(
+                "DistributedOptimizer: the parameters changed after the sharded layout was built (a parameter "
+                "was added, removed, replaced or had requires_grad switched, or its .data was replaced, e.g. by "
+                "model.to()) on at least one rank; this backward reduced the old parameters only. Create the "
+                "optimizer again after changing the model (or add parameters with its add_param_group), on every rank"
+            )
+        if state.task < 0 or not nb:
+            return
+        order = row[n + 1 :].reshape(nb, 3)
+        if not (order[:, 0] == size).all():
+            return  # some rank did not use every parameter: the order is not comparable
+        differs = size * order[:, 2] != order[:, 1] * order[:, 1]
+        if differs.any():
+            k = int(np.flatnonzero(differs)[0])
+            labels = self._labels()
+            names = [labels[i] for i in self._buckets[k].params][:3]
+            raise RuntimeError(
+                f"DistributedOptimizer: the gradients became ready in a different order on different ranks (bucket "
+                f"{k} of {nb}, holding {', '.join(names)}): the ranks run different models or different code paths "
+                "with all parameters used. Every rank must run the same model; parameters that some ranks do not "
+                "use are allowed"
+            )
+
+    # -- reduce now ----------------------------------------------------------------------------
+
+    def _reduce(self) -> None:
+        """Reduce-scatter every bucket now (gradients accumulated inside no_sync(), or set by hand)."""
+        self._check_stale()
+        with exclusive(self._backend, "DistributedOptimizer"):
+            if not self._agreed:
+                self._agree()
+            state = self._new_round(-1)
+            state.changed = self._changed()
+            self._flush(state, overlap=False)
+            self._finish(state)
+        self._dirty = False
+
+    def _skip_backward(self) -> bool:
+        """Asked at the first gradient of each backward: True leaves this backward's gradients unreduced."""
+        if self._no_sync:
+            self._dirty = True
+            return True
+        self._passes += 1
+        if self._passes % self._passes_per_step:
+            self._dirty = True
+            return True
+        return False
+
+    def synchronize(self) -> None:
+        """Make sure this rank's shard of the gradients is reduced now; ``step()`` then won't reduce again.
+
+        After a ``backward()`` (outside ``no_sync()``) it already is, and this only marks the
+        step. Gradients accumulated inside ``no_sync()``, or set by hand, are reduce-scattered here.
+        """
+        if self._synchronized or (self._reduced and not self._dirty):
+            self._synchronized = True
+            return
+        self._reduce()
+        self._synchronized = True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients: ``.grad`` becomes None (or zeros with ``set_to_none=False``), ready for a backward.
+
+        With ``set_to_none=True`` the next backward's gradients are copied into the flat gradient
+        buffer as they arrive; with False backward adds into the zeroed buffer.
+        """
+        self._end_pending_step()
+        self._reset_round()
+        self._stale = False
+        self._reduced_flags = None
+        if not set_to_none:
+            for flat in self._flats:
+                flat.grads.zero_()
+        for p, view in self._view_pairs():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                if view is None:
+                    p.grad.zero_()
+                else:
+                    p.grad = view
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Step this rank's shard on its reduced gradients, then allgather the updated parameters.
+
+        Gradients no backward reduced (inside ``no_sync()``, or set by hand) are reduce-scattered
+        first, unless inside ``no_sync()``. With a ``closure``, it runs first (with gradients
+        enabled) and the loss it returns is reduced with ``op``, as ``shard_state=False`` does.
+        """
+        if hasattr(self, "found_inf") or hasattr(self, "grad_scale"):
+            raise TypeError(
+                "DistributedOptimizer(shard_state=True): torch.amp.GradScaler is not supported: its inf/NaN check "
+                "reads every .grad on each rank, and with sharded state only this rank's shard of .grad is reduced, "
+                "so ranks could disagree about skipping a step. Train with bfloat16 autocast (no scaler needed), or "
+                "use shard_state=False"
+            )
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            hook(self, (), {})
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._no_sync and not self._synchronized and (self._dirty or not self._reduced):
+            self._reduce()
+        flags = self._reduced_flags if not self._no_sync else None
+        self._reduced_flags = None
+        self._end_pending_step()
+        self._step_shard(flags)
+        if loss is not None and not self._no_sync:
+            loss = self._reduce_loss(loss)
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
+        return loss
+
+    def _step_shard(self, flags: np.ndarray | None) -> None:
+        """The shard optimizer's step (pieces of parameters without gradient skipped), then the allgather."""
+        for p, view in self._view_pairs():
+            if view is not None and p.grad is not None and not _is_slice(p.grad, view):
+                self._adopt(p)  # a gradient set by hand after the reduction: this rank's own values
+        for pc in self._pieces:
+            if pc.grad is not None:
+                pc.tensor.grad = pc.grad if self._params[pc.index].grad is not None else None
+            else:
+                pc.tensor.grad = self._params[pc.index].grad
+        self._sync_hyper()
+        self._inner.step()
+        size = self._backend.size
+        if size == 1:
+            return
+        rank = self._backend.rank
+        with exclusive(self._backend, "DistributedOptimizer.step"):
+            for b in self._buckets:
+                if flags is not None and not flags[b.params].any():
+                    continue  # no rank had a gradient for any of its parameters: nothing changed
+                piece = self._scratch_for(b.values.dtype, b.values.device, b.piece)
+                piece.copy_(b.values[rank])
+                allgather(self._backend, piece, b.values)
+
+    def _reduce_loss(self, loss: Any) -> Any:
+        if isinstance(loss, torch.Tensor):
+            value = loss.detach().clone() if loss.dtype.is_floating_point else loss.detach().double()
+            return allreduce(self._backend, value, self.op)
+        return float(allreduce(self._backend, np.array(float(loss)), self.op))
+
+    # -- clipping ------------------------------------------------------------------------------
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients by their global norm, computed from every rank's reduced shard (one scalar allreduce).
+
+        What ``torch.nn.utils.clip_grad_norm_`` computes on the full reduced gradients of
+        ``shard_state=False`` (up to rounding: the norm is summed in float64 shard by shard),
+        and scales this rank's shard, the part of ``.grad`` the step reads. Call it on every
+        rank, after the backward and before ``step()``.
+
+        Args:
+            max_norm: the largest norm allowed.
+            norm_type: the p of the p-norm (``float("inf")`` for the largest magnitude).
+
+        Returns:
+            The total norm of the gradients before clipping (a float32 scalar tensor).
+        """
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        if not norm_type > 0:
+            raise ValueError(f"norm_type: got {norm_type}; allowed: a number > 0, or float('inf')")
+        grads = [pc.grad for pc in self._pieces if pc.grad is not None and self._params[pc.index].grad is not None]
+        inf = norm_type == float("inf")
+        local = 0.0
+        for g in grads:
+            norm = float(torch.linalg.vector_norm(g, norm_type, dtype=torch.float64))
+            local = max(local, norm) if inf else local + norm**norm_type
+        total = np.array(local, dtype=np.float64)
+        allreduce(self._backend, total, ReduceOp.MAX if inf else ReduceOp.SUM)
+        norm = float(total) if inf else float(total) ** (1.0 / norm_type)
+        coef = min(max_norm / (norm + 1e-6), 1.0)
+        if coef < 1.0:
+            with torch.no_grad():
+                for g in grads:
+                    g.mul_(coef)
+        return torch.tensor(norm, dtype=torch.float32)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full, unsharded state in torch's format, on every rank (a collective: every rank calls it).
+
+        Exactly what ``shard_state=False`` (or the plain optimizer) would return: state keyed by
+        parameter index, tensors shaped like the parameters. Loads into any world size, sharded or not.
+        """
+        if self._backend._entry._is_owned():  # inside another collective (dml.save's, on rank 0 only)
+            raise RuntimeError(
+                "DistributedOptimizer(shard_state=True).state_dict() is a collective, called here inside another "
+                "one on this rank only: dml.save(backend, {'opt': opt}, path) asks rank 0 alone for it. Pass the "
+                "consolidated state instead, from every rank: dml.save(backend, {'opt': opt.state_dict()}, path)"
+            )
+        full = self._gather_state()
+        outer = self.optimizer
+        added = []
+        for i, entries in full.items():
+            outer.state[self._params[i]] = entries
+            added.append(self._params[i])
+        try:
+            return outer.state_dict()
+        finally:
+            for p in added:
+                outer.state.pop(p, None)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full state (from ``state_dict()`` of any world size, sharded or not); keep this rank's share.
+
+        No communication: every rank loads the same full state and slices its pieces out.
+        """
+        self.optimizer.load_state_dict(state_dict)
+        self._inner.state.clear()
+        self._scatter_state()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group (every rank the same, in the same order): the layout is built again.
+
+        A collective: the state is consolidated, the flat buffers rebuilt over all parameters, and
+        the state sliced again.
+        """
+        full = self._gather_state()
+        self.optimizer.add_param_group(param_group)
+        for i, entries in full.items():
+            self.optimizer.state[self._params[i]] = entries
+        self._reset_round()
+        self._agreed = False
+        self._build(self._params_now())
+
+    def _scatter_state(self) -> None:
+        """Move the wrapped optimizer's state of the sharded parameters into this rank's pieces."""
+        outer, inner = self.optimizer, self._inner
+        for pc in self._pieces:
+            p = self._params[pc.index]
+            entries = outer.state.get(p)
+            if not entries:
+                continue
+            mine: dict[str, Any] = {}
+            for k, v in entries.items():
+                if isinstance(v, torch.Tensor):
+                    sliced = not pc.whole and v.shape == p.shape
+                    mine[k] = (v.detach().reshape(-1)[pc.lo : pc.hi] if sliced else v.detach()).clone()
+                else:
+                    mine[k] = copy.deepcopy(v)
+            inner.state[pc.tensor] = mine
+        for p in self._params:
+            outer.state.pop(p, None)
+        self._sync_hyper()
+
+    def _gather_state(self) -> dict[int, dict[str, Any]]:
+        """Every sharded parameter's full state, by index in ``_params``, on every rank (collectives)."""
+        backend = self._backend
+        meta: dict[int, list[tuple[str, tuple[Any, ...]]]] = {}
+        for pc in self._pieces:
+            entries = self._inner.state.get(pc.tensor)
+            if not entries:
+                continue
+            p = self._params[pc.index]
+            described = []
+            for k, v in entries.items():
+                if isinstance(v, torch.Tensor) and pc.grad is not None and _is_share(pc, p, v):
+                    described.append((k, ("shard", v.dtype, str(v.device))))
+                elif isinstance(v, torch.Tensor):
+                    described.append((k, ("value", v.detach().cpu(), str(v.device))))
+                else:
+                    described.append((k, ("object", v)))
+            meta[pc.index] = described
+        merged: dict[int, list[tuple[str, tuple[Any, ...]]]] = {}
+        for every in allgather_object(backend, meta):
+            for i, described in every.items():
+                merged.setdefault(i, described)
+        full: dict[int, dict[str, Any]] = {}
+        groups: dict[tuple[int, str, torch.dtype, str], list[int]] = {}
+        flat_index = {id(f): k for k, f in enumerate(self._flats)}
+        for i in sorted(merged):
+            full[i] = {}
+            for k, what in merged[i]:
+                if what[0] == "shard":
+                    flat = self._buckets[self._bucket_of[i]].flat
+                    groups.setdefault((flat_index[id(flat)], k, what[1], what[2]), []).append(i)
+                    full[i][k] = None  # filled below, in this order
+                elif what[0] == "value":
+                    full[i][k] = what[1].to(what[2])
+                else:
+                    full[i][k] = copy.deepcopy(what[1])
+        for (f, k, dtype, device), members in groups.items():
+            self._gather_entry(self._flats[f], (k, dtype, torch.device(device)), members, full)
+        return full
+
+    def _gather_entry(
+        self, flat: _Flat, entry: tuple[str, torch.dtype, torch.device], members: list[int], full: dict[int, Any]
+    ) -> None:
+        """State ``entry`` (key, dtype, device) of parameters ``members`` (all in ``flat``), from all ranks."""
+        key, dtype, device = entry
+        size = self._backend.size
+        shard = torch.zeros(flat.shard, dtype=dtype, device=device)
+        wanted = set(members)
+        for pc in self._pieces:
+            value = self._inner.state.get(pc.tensor, {}).get(key) if pc.index in wanted else None
+            if isinstance(value, torch.Tensor) and pc.grad is not None:
+                shard[pc.shard_at : pc.shard_at + pc.hi - pc.lo].copy_(value.reshape(-1))
+        every = torch.empty(size, flat.shard, dtype=dtype, device=device)
+        allgather(self._backend, shard, every)
+        buckets: dict[int, torch.Tensor] = {}
+        for i in members:
+            k = self._bucket_of[i]
+            b = self._buckets[k]
+            if k not in buckets:  # the bucket's elements in flat order: piece 0, piece 1, ...
+                buckets[k] = every[:, b.shard_at : b.shard_at + b.piece].reshape(-1)
+            p = self._params[i]
+            at = self._offset[i] - b.start
+            full[i][key] = buckets[k][at : at + p.numel()].view(p.shape).clone()
+
+
+def _is_share(pc: _Piece, p: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether state tensor ``v`` of piece ``pc`` (of parameter ``p``) holds one value per element of the piece."""
+    if pc.whole:
+        return tuple(v.shape) == tuple(p.shape)
+    return v.dim() == 1 and v.numel() == pc.hi - pc.lo
