@@ -169,7 +169,7 @@ class Backend(abc.ABC):
         """
         work = sendbuf.copy()
         self._allreduce(None, work, op)
-        np.copyto(sendbuf[self.rank] if recvbuf is None else recvbuf, work[self.rank])
+        np.copyto(sendbuf[self.rank, ...] if recvbuf is None else recvbuf, work[self.rank, ...])
 
     @abc.abstractmethod
     def _barrier(self) -> None:

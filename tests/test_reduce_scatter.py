@@ -1,0 +1,140 @@
+"""dml.reduce_scatter on LocalBackend.spawn (worlds of 1-5 ranks) and under mpiexec (2 and 3 ranks).
+
+The bodies live in tests/reduce_scatter_bodies.py; tests/reduce_scatter_job.py runs the same
+bodies under mpiexec, on the default MPIBackend, one with 16-byte segments (the packed,
+segmented path) and one in debug mode.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, seed, settings
+
+import distutils_ml as dml
+from distutils_ml.backends.base import Backend
+
+from bodies import DTYPES, Case, cases
+from mpirun import requires_mpi, run_mpi
+from reduce_scatter_bodies import (
+    MATRIX,
+    MISMATCHES,
+    bad_calls,
+    bad_input_body,
+    matrix_body,
+    mismatch_body,
+    mixed_forms_body,
+    reduce_scatter_body,
+    sharding_body,
+)
+
+WORLD_SIZES = range(1, 6)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_every_op_dtype_form_and_shape(world: int) -> None:
+    assert dml.LocalBackend.spawn(world, matrix_body, timeout=120) == [len(MATRIX)] * world
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_random_calls(dtype: str) -> None:
+    @seed(zlib.crc32(f"reduce_scatter/{dtype}".encode()))
+    @settings(max_examples=6, deadline=None, database=None)
+    @given(case=cases(dtype))
+    def run(case: Case) -> None:
+        for world in WORLD_SIZES:
+            dml.LocalBackend.spawn(world, reduce_scatter_body, case, timeout=60)
+
+    run()
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_bad_input_raises_before_sending(world: int) -> None:
+    for culprit in range(world):
+        counts = dml.LocalBackend.spawn(world, bad_input_body, culprit, timeout=60)
+        assert counts == [len(bad_calls(dml.LocalBackend()))] * world
+
+
+@pytest.mark.parametrize("case", MISMATCHES)
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_that_call_different_collectives_raise_on_every_rank(world: int, case: str) -> None:
+    assert dml.LocalBackend.spawn(world, mismatch_body, case, timeout=60) == [True] * world
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_ranks_may_mix_the_in_place_and_two_buffer_forms(world: int) -> None:
+    assert dml.LocalBackend.spawn(world, mixed_forms_body, 3, timeout=60) == [8] * world
+
+
+@pytest.mark.parametrize("n", [1, 5])
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_flat_buffers_shard_through_zero_copy_views(world: int, n: int) -> None:
+    assert dml.LocalBackend.spawn(world, sharding_body, n, timeout=60) == [4] * world
+
+
+def test_world_of_one_is_identity() -> None:
+    b = dml.LocalBackend()
+    x = torch.arange(6.0).view(1, 6)
+    out = torch.full((6,), -1.0)
+    for op in dml.ReduceOp:
+        assert dml.reduce_scatter(b, x, out, op) is out
+        assert torch.equal(out, torch.arange(6.0))
+        row = dml.reduce_scatter(b, x, op)
+        assert torch.equal(row, torch.arange(6.0)) and row.data_ptr() == x.data_ptr()
+    one = np.array([3], dtype=np.int8)
+    got = dml.reduce_scatter(b, one, dml.MAX)
+    assert got.shape == () and got == 3 and np.shares_memory(got, one)
+
+
+class _DefaultReduceScatter(dml.LocalBackend):
+    """A simulated rank whose reduce_scatter is the Backend default (an allreduce of a copy)."""
+
+    _reduce_scatter = Backend._reduce_scatter
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_the_backend_default_is_a_reduce_scatter_too(world: int) -> None:
+    def body(b: dml.LocalBackend) -> int:
+        return matrix_body(_DefaultReduceScatter(_world=b._world, _rank=b.rank))
+
+    assert dml.LocalBackend.spawn(world, body, timeout=120) == [len(MATRIX)] * world
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_second_thread_is_refused(world: int) -> None:
+    def body(b: dml.Backend) -> str:
+        from distutils_ml.objects import exclusive
+
+        errors: list[str] = []
+
+        def other() -> None:
+            try:
+                dml.reduce_scatter(b, np.ones((b.size, 2)), dml.SUM)
+            except RuntimeError as err:
+                errors.append(str(err))
+
+        with exclusive(b, "synchronize"):
+            helper = threading.Thread(target=other, name="shard-thread")
+            helper.start()
+            helper.join(10)
+            out = dml.reduce_scatter(b, np.ones((b.size, 2)), dml.SUM)  # the owner goes on
+        assert (out == b.size).all()
+        return errors[0] if errors else ""
+
+    for text in dml.LocalBackend.spawn(world, body, timeout=60):
+        assert "reduce_scatter: thread 'shard-thread' called a collective" in text, text
+
+
+@requires_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_reduce_scatter_job_under_mpiexec(ranks: int) -> None:
+    job = run_mpi(ranks, ["tests/reduce_scatter_job.py"], timeout=180)
+    assert job.returncode == 0, job.output[-8000:]
+    checks = "matrix properties bad_input debug mixed sharding large"
+    assert f"REDUCE_SCATTER CHECKS PASSED: {checks} on {ranks} ranks" in job.output, job.output[-8000:]
+    for check in checks.split():
+        assert job.output.count(f"check {check} passed") == ranks, job.output[-8000:]
