@@ -88,7 +88,7 @@ def allreduce_table(label: str, rate: float, res: dict[str, Any]) -> str:
 
 
 def step_table(label: str, res: dict[str, Any], comm_s: dict[str, float] | None = None) -> str:
-    rows = ["| model | compute only | dml step (overlap) | dml step, reduced after backward | DDP (gloo) step | "
+    rows = ["| model | compute only | dml step | dml step, reduced after backward | DDP (gloo) step | "
             "dml / DDP | exposed comm dml | exposed comm dml after | exposed comm DDP | dml / max(compute, comm) |",
             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for model, r in res["results"].items():
@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--models", default="mlp2m,deep36,mlp25m")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=64, help="samples per rank per step of the training comparison")
     ap.add_argument("--no-steps", action="store_true", help="the allreduce comparison only")
     ap.add_argument("--json-dir", default="benchmarks/results", help="where each job's JSON goes")
     args = ap.parse_args(argv)
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     tables = []
     for text in args.links.split(","):
         label, rate, delay = parse_link(text)
-        tag = text.replace(":", "_").replace(".", "p")
+        tag = text.replace(":", "_").replace(".", "p") + (f"-batch{args.batch}" if args.batch != 64 else "")
         start = time.monotonic()
         with cluster.cluster(2, 1, link=(rate, delay)) as c:
             alone = probe(c)
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                          out / f"network-allreduce-{tag}.json", timeout=900)  # fmt: skip
             st = None if args.no_steps else mpi_job(
                 c, "ddp.py", ["--models", args.models, "--steps", str(args.steps), "--warmup", "2",
-                              "--only", "ideal_local,ddp_gloo,dml_after,dml"],
+                              "--batch", str(args.batch), "--only", "ideal_local,ddp_gloo,dml_after,dml"],
                 out / f"network-ddp-{tag}.json", timeout=900,
             )  # fmt: skip
         tables += [f"### {label}\n\nThe link alone: {_probe_text(alone)}.", allreduce_table(label, rate, ar)]

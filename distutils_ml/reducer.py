@@ -43,6 +43,8 @@ from distutils_ml.tcpring import TcpRing, ring_for
 __all__ = ["DEFAULT_BUCKET_BYTES", "GradientReducer"]
 
 DEFAULT_BUCKET_BYTES = 256 * 1024
+#: The first flat bucket's size when ``bucket_bytes`` is larger.
+FIRST_BUCKET_BYTES = 1 << 20
 _COMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SETTINGS = ("op", "communication_dtype", "bucket_bytes", "parameters")
 _HALVES = (torch.float16, torch.bfloat16)
@@ -170,6 +172,10 @@ class GradientReducer:
         open_: dict[tuple[torch.dtype, torch.device], tuple[list[int], list[int]]] = {}  # key -> (members, bytes)
         closing: list[tuple[int, tuple[torch.dtype, torch.device], list[int]]] = []  # (position, key, members)
 
+        # The first flat bucket of each wire dtype is smaller (as DDP's first bucket): the last layers'
+        # gradients go while backward is still computing the rest.
+        first = min(self.bucket_bytes, FIRST_BUCKET_BYTES)
+        seen: set[tuple[torch.dtype, torch.device]] = set()
         for i in reversed(range(n)):
             p = params[i]
             key = self._wire(p)
@@ -180,8 +186,9 @@ class GradientReducer:
             members, size = open_.setdefault(key, ([], [0]))
             members.append(i)
             size[0] += nbytes
-            if size[0] >= self.bucket_bytes:
+            if size[0] >= (self.bucket_bytes if key in seen else first):
                 del open_[key]
+                seen.add(key)
                 groups.append((False, key, members))
         for key, (members, _) in open_.items():  # placed where their last (earliest) parameter is
             closing.append((min(members), key, members))
