@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU subset, on a machine with an NVIDIA GPU (not CI): NCCL world of one (and of two ranks
 # where there are two GPUs: NCCL needs one GPU per rank), the staged MPI path on 1 and 2 ranks
-# sharing the GPU, CUDA-aware MPI if the MPI supports it, stream ordering, CuPy arrays, training
+# sharing the GPU, CUDA-aware MPI if the MPI supports it (every collective, reduce_scatter through
+# ncclReduceScatter / Reduce_scatter_block / staged included), stream ordering, CuPy arrays, training
 # on CUDA, object collectives, exact evaluation, buffer broadcasts and strided synchronize on CUDA,
 # gradients reduced during backward on CUDA (overlap on a stream of its own, and at the end of backward),
 # SyncBatchNorm on CUDA tensors (simulated ranks, staged MPI on 2 ranks, NCCL), the quickstart on CUDA,

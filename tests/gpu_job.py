@@ -1,8 +1,9 @@
 """GPU checks inside an MPI job: ``mpiexec -n N python tests/gpu_job.py BACKEND`` (BACKEND: nccl, staged, aware).
 
-Every op and dtype on CUDA tensors against the same collective on CPU tensors, a
-stream-ordering check (a kernel writes the buffer on a side stream right before the
-collective), and synchronize + DistributedOptimizer on a CUDA model. Rank 0 prints
+Every op and dtype on CUDA tensors against the same collective on CPU tensors (reduce_scatter
+included: both forms, bool, empty rows, CuPy arrays, bad input), stream-ordering checks (a
+kernel writes the buffer on a side stream right before the collective), and synchronize +
+DistributedOptimizer on a CUDA model. Rank 0 prints
 ``GPU CHECKS PASSED`` at the end. Runs only where a GPU is present.
 """
 
@@ -59,6 +60,74 @@ def check_every_op_and_dtype(backend: dml.Backend, cpu: dml.Backend) -> int:
         dml.allgather(backend, values(rank, dtype).cuda(), out)
         for k in range(dml.total_workers(backend)):
             assert torch.equal(out[k].cpu(), values(k, dtype)), f"allgather {dtype}"
+    return checked
+
+
+def check_reduce_scatter(backend: dml.Backend, cpu: dml.Backend) -> int:
+    """reduce_scatter on CUDA tensors against the same call on CPU tensors, every op and dtype, both forms
+    (in place: the result is the view buf[rank], the other rows unchanged); bool, empty rows, a side stream
+    that writes the buffer right before the call, CuPy arrays, and bad input raising before any byte moves."""
+    rank, w = dml.local_rank(backend), dml.total_workers(backend)
+    checked = 0
+    for dtype in [*DTYPES, torch.bool]:
+        for op in OPS:
+            if (op is dml.AVG and not dtype.is_floating_point) or (
+                dtype is torch.bool and op not in (dml.MAX, dml.MIN)
+            ):
+                continue
+            x = torch.stack([values(rank * w + k, dtype, 250) for k in range(w)])  # (w, 250): row k goes to rank k
+            if dtype is torch.bool:
+                x = x > 0
+            want = dml.reduce_scatter(cpu, x.clone(), torch.empty(250, dtype=dtype), op)
+            got = dml.reduce_scatter(backend, x.cuda(), torch.empty(250, dtype=dtype, device="cuda"), op).cpu()
+            tol = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-6
+            torch.testing.assert_close(
+                got.double(), want.double(), rtol=tol, atol=tol, msg=f"reduce_scatter {op} {dtype}"
+            )
+            buf = x.cuda()
+            row = dml.reduce_scatter(backend, buf, op)
+            assert row.data_ptr() == buf[rank].data_ptr() and row.shape == (250,), "not the view buf[rank]"
+            torch.testing.assert_close(
+                row.cpu().double(), want.double(), rtol=tol, atol=tol, msg=f"in place {op} {dtype}"
+            )
+            others = [k for k in range(w) if k != rank]
+            assert torch.equal(buf[others].cpu(), x[others]), f"in place changed other rows ({op} {dtype})"
+            checked += 1
+    empty = torch.empty(w, 0, device="cuda")
+    assert dml.reduce_scatter(backend, empty, dml.SUM).shape == (0,)
+    # A side stream writes the buffer right before the call issued on that stream.
+    side = torch.cuda.Stream()
+    send, recv = torch.zeros(w, 1 << 20, device="cuda"), torch.zeros(1 << 20, device="cuda")
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        send.fill_(rank + 1.0)
+        dml.reduce_scatter(backend, send, recv, dml.SUM)
+    side.synchronize()
+    assert torch.all(recv == w * (w + 1) / 2), "reduce_scatter ran before the producing kernel finished"
+    # Bad input: raised here, before anything is sent (the next call would mismatch or hang otherwise).
+    for bad, words in (
+        (lambda: dml.reduce_scatter(backend, torch.zeros(4 * w, device="cuda"), dml.SUM), "a flat buffer"),
+        (lambda: dml.reduce_scatter(backend, send, torch.zeros(3, device="cuda"), dml.SUM), "recvbuf: got shape (3,)"),
+        (lambda: dml.reduce_scatter(backend, torch.zeros(w + 1, 2, device="cuda"), dml.SUM), "leading axis"),
+    ):
+        try:
+            bad()
+        except ValueError as e:
+            assert words in str(e), str(e)
+        else:
+            raise AssertionError(f"no ValueError: {words}")
+    try:
+        import cupy
+    except ImportError:
+        return checked
+    with cupy.cuda.Stream(non_blocking=True):
+        flat = cupy.arange(w * 3, dtype=cupy.float32) + rank
+        shard = dml.reduce_scatter(backend, flat.reshape(w, 3), dml.SUM)  # in place, on a view of a flat array
+        out = cupy.empty(3, dtype=cupy.float32)
+        dml.reduce_scatter(backend, (cupy.arange(w * 3, dtype=cupy.float32) + rank).reshape(w, 3), out, dml.AVG)
+        got, mean = shard.get(), out.get()
+    expect = np.arange(rank * 3, rank * 3 + 3) * w + w * (w - 1) / 2
+    assert (got == expect).all() and np.allclose(mean, expect / w), (got, mean, expect)
     return checked
 
 
@@ -180,6 +249,7 @@ def main(kind: str) -> None:
         torch.cuda.set_device(backend.node_local_rank % torch.cuda.device_count())
     cpu = dml.MPIBackend()
     n = check_every_op_and_dtype(backend, cpu)
+    n += check_reduce_scatter(backend, cpu)
     check_stream_ordering(backend)
     cupy_checked = check_cupy(backend)
     check_training(backend)
