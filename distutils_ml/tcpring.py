@@ -34,6 +34,7 @@ import struct
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,11 @@ _MAGIC = b"dmlring1"
 _UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
            ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum}  # fmt: skip
 _KINDS = "fiu"  # float, signed and unsigned integer buffers (MPI handles half precision and bool)
+
+
+def _split(flat: np.ndarray, parts: int) -> list[np.ndarray]:
+    bounds = [flat.size * k // parts for k in range(parts + 1)]
+    return [flat[bounds[k] : bounds[k + 1]] for k in range(parts)]
 
 
 def transport_choice() -> str:
@@ -85,40 +91,93 @@ class TcpRing:
 
     def allreduce(self, array: np.ndarray, op: ReduceOp) -> None:
         """Reduce ``array`` (contiguous, in place) with ``op`` over every rank; AVG divides the sum."""
-        W, r = self.size, self.rank
         flat = array.reshape(-1)
-        n = flat.size
-        if W == 1 or n == 0:
+        if self.size == 1 or flat.size == 0:
             return
+        with self._watched("allreduce", array, op):
+            chunks = _split(flat, self.size)
+            self._reduce_scatter(chunks, chunks, op)
+            self._allgather(chunks)
+
+    def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp) -> None:
+        """``recvbuf`` = the op over ranks of every rank's ``sendbuf[rank]`` (sendbuf: (W, n), left unchanged)."""
+        if self.size == 1:
+            np.copyto(recvbuf, sendbuf[0])
+            return
+        if recvbuf.size == 0:
+            return
+        with self._watched("reduce_scatter", recvbuf, op):
+            chunks = list(sendbuf.reshape(self.size, -1))
+            out = [None] * self.size
+            out[self.rank] = recvbuf.reshape(-1)
+            self._reduce_scatter(chunks, out, op)
+
+    def allgather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+        """``recvbuf[k]`` = rank k's ``sendbuf`` (recvbuf: (W, n); sendbuf may be ``recvbuf[rank]`` itself)."""
+        rows = list(recvbuf.reshape(self.size, -1))
+        mine = sendbuf.reshape(-1)
+        if not np.shares_memory(mine, rows[self.rank]) or mine.ctypes.data != rows[self.rank].ctypes.data:
+            np.copyto(rows[self.rank], mine)
+        if self.size == 1 or mine.size == 0:
+            return
+        with self._watched("allgather", sendbuf, None):
+            self._allgather(rows)
+
+    @contextlib.contextmanager
+    def _watched(self, kind: str, array: np.ndarray, op: ReduceOp | None) -> Iterator[None]:
+        """Shown to the backend's stall watchdog as one of its own collectives while it runs."""
         record = getattr(self._backend, "_begin", None)
-        if record is not None:  # the stall watchdog sees it as the backend's own collective
-            record("allreduce", array, op, -1)
+        if record is not None:
+            record(kind, array, op, -1)
         try:
-            bounds = [n * k // W for k in range(W + 1)]
-            chunk = [flat[bounds[k] : bounds[k + 1]] for k in range(W)]
-            ufunc = _UFUNCS[op]
-            itemsize = flat.dtype.itemsize
-            need = (bounds[1] - bounds[0] + 1) * itemsize
-            if self._scratch.nbytes < need:
-                self._scratch = np.empty(need, dtype=np.uint8)
-            for s in range(W - 1):  # reduce-scatter: after it, rank r holds chunk (r + 1) % W reduced
-                out, into = chunk[(r - s) % W], chunk[(r - s - 1) % W]
-                tmp = self._scratch[: into.size * itemsize].view(flat.dtype)
-                self._exchange(out, tmp, into, ufunc)
-            mine = chunk[(r + 1) % W]
-            if op is ReduceOp.AVG:
-                np.divide(mine, W, out=mine)
-            for s in range(W - 1):  # allgather
-                out, into = chunk[(r + 1 - s) % W], chunk[(r - s) % W]
-                self._exchange(out, into, None, None)
+            yield
         finally:
             if record is not None:
                 self._backend._inflight = None  # type: ignore[attr-defined]
 
-    def _exchange(self, out: np.ndarray, into: np.ndarray, acc: np.ndarray | None, ufunc: Any) -> None:
+    def _reduce_scatter(self, chunks: list[np.ndarray], out: list[Any], op: ReduceOp) -> None:
+        """Ring reduce-scatter of ``chunks`` (chunk k: this rank's part k); rank r ends with part r in ``out[r]``.
+
+        Partial sums go to ``out[k]`` when ``out`` is ``chunks`` (in place), else to scratch, so the input is
+        left as it was. Every part is reduced in ring order, once, on one rank.
+        """
+        W, r = self.size, self.rank
+        ufunc = _UFUNCS[op]
+        in_place = out is chunks
+        dtype = chunks[0].dtype
+        biggest = max(c.size for c in chunks) * dtype.itemsize
+        need = biggest * (1 if in_place else 3)
+        if self._scratch.nbytes < need:
+            self._scratch = np.empty(need, dtype=np.uint8)
+        scratch = [self._scratch[i * biggest : (i + 1) * biggest] for i in range(3)]
+        partial = chunks[(r - 1) % W]  # what goes first: this rank's own part (r - 1)
+        for s in range(W - 1):
+            k = (r - 2 - s) % W  # the part arriving from the previous rank, reduced here
+            size = chunks[k].size
+            tmp = scratch[0][: size * dtype.itemsize].view(dtype)
+            if in_place:
+                target = chunks[k]
+            elif s == W - 2:
+                target = out[k]
+            else:
+                target = scratch[1 + s % 2][: size * dtype.itemsize].view(dtype)
+            self._exchange(partial, tmp, chunks[k], target, ufunc)
+            partial = target
+        if op is ReduceOp.AVG:
+            np.divide(partial, W, out=partial)
+
+    def _allgather(self, parts: list[np.ndarray]) -> None:
+        """Ring allgather: rank r holds ``parts[r]``; afterwards every rank holds every part."""
+        W, r = self.size, self.rank
+        for s in range(W - 1):
+            self._exchange(parts[(r - s) % W], parts[(r - s - 1) % W], None, None, None)
+
+    def _exchange(
+        self, out: np.ndarray, into: np.ndarray, acc: np.ndarray | None, target: np.ndarray | None, ufunc: Any
+    ) -> None:
         """Send ``out`` to the next rank while receiving ``into`` from the previous one, sleeping in poll().
 
-        With ``acc``, every received piece is reduced into ``acc`` (``acc = ufunc(acc, piece)``) as it arrives.
+        With ``acc``, every received piece is reduced as it arrives: ``target = ufunc(acc, piece)``.
         """
         send = memoryview(out).cast("B") if out.size else memoryview(b"")
         recv = memoryview(into).cast("B") if into.size else memoryview(bytearray())
@@ -154,10 +213,9 @@ class TcpRing:
                         raise ConnectionError(self._lost(fd))
                     got += k
                     if acc is not None and (got - reduced >= _PIECE or got == len(recv)):
-                        upto = got // itemsize
-                        ufunc(acc[reduced // itemsize : upto], into[reduced // itemsize : upto],
-                              out=acc[reduced // itemsize : upto])  # fmt: skip
-                        reduced = upto * itemsize
+                        lo, hi = reduced // itemsize, got // itemsize
+                        ufunc(acc[lo:hi], into[lo:hi], out=target[lo:hi])
+                        reduced = hi * itemsize
         if want_out:
             poll.unregister(right)
         if want_in:

@@ -68,6 +68,26 @@ def ring_body(world: dml.Backend, case: RingCase) -> None:
     gathered = np.empty((world.size, *x.shape), x.dtype)
     dml.allgather(world, x, gathered)
     assert (gathered == gathered[0]).all(), "the ring's result differs across ranks"
+    # reduce_scatter: rank r's sendbuf is sends[r] (W rows); it receives the op over ranks of row r; input unchanged.
+    m = int(np.prod(case.shape)) // 2
+    sends = rng.integers(-3, 4, size=(world.size, world.size, m)).astype(case.dtype)
+    mine = sends[world.rank].copy()
+    out = np.full(m, 7, dtype=case.dtype)
+    ring.reduce_scatter(mine, out, case.op)
+    np.testing.assert_array_equal(mine, sends[world.rank])
+    expected = REFERENCE[case.op](sends[:, world.rank]).astype(case.dtype)
+    if out.dtype.kind == "f":
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    else:
+        np.testing.assert_array_equal(out, expected)
+    # allgather into a flat buffer viewed (W, m), from a separate buffer and from the own row
+    flat = np.zeros(world.size * m, dtype=case.dtype)
+    ring.allgather(sends[world.rank, 0], flat.reshape(world.size, m))
+    np.testing.assert_array_equal(flat.reshape(world.size, m), sends[:, 0])
+    rows = sends[:, 1].copy()
+    rows[np.arange(world.size) != world.rank] = 0
+    ring.allgather(rows[world.rank], rows)
+    np.testing.assert_array_equal(rows, sends[:, 1])
 
 
 def buckets_body(world: dml.Backend) -> None:
