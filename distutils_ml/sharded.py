@@ -75,6 +75,9 @@ _WHOLE_TENSOR = {
     "Muon": "which orthogonalizes each parameter matrix whole",
 }
 _SETTINGS = ("op", "communication_dtype", "bucket_bytes", "parameters")
+# Each parameter starts on a 64-byte boundary of its flat buffer, as torch's allocator places tensors: CPU
+# kernels (BLAS) may round differently on data at other offsets.
+_ALIGN_BYTES = 64
 _FIX = "Create DistributedOptimizer with shard_state=True and the same op, bucket_bytes and communication_dtype"
 _NAMES = ", ".join(c.__name__ for c in ELEMENTWISE)
 
@@ -248,7 +251,6 @@ class ShardedOptimizer(DistributedOptimizer):
         self._dirty = False  # a backward accumulated gradients no reduction has covered
         self._reduced = False  # a backward reduced the gradients since the last step / zero_grad
         self._stale = False  # the gradient buffers hold a reduction: zero_grad() comes before the next backward
-        self._reduced_flags: np.ndarray | None = None  # after a reduction: which parameters somebody had
         self._round: _Round | None = None
         self._skipped_task = -1
         self._agreed = False
@@ -270,8 +272,9 @@ class ShardedOptimizer(DistributedOptimizer):
         for key, members in groups:
             start = starts.get(key, 0)
             at = start
+            align = max(1, _ALIGN_BYTES // key[0].itemsize)
             for i in members:
-                offset[i] = at
+                offset[i] = at = -(-at // align) * align
                 at += params[i].numel()
             piece = -(-(at - start) // size)
             placed.append((key, members, start, piece))
@@ -331,6 +334,7 @@ class ShardedOptimizer(DistributedOptimizer):
         if rank == 0:  # parameters without elements: rank 0 steps them as they are
             pieces += [_Piece(i, params[i], None, 0, 0, True) for i in range(len(params)) if bucket_of[i] < 0]
         self._params = params
+        self._names = self._labels()
         self._index = {id(p): i for i, p in enumerate(params)}
         self._offset = offset
         self._flats = list(flats.values())
@@ -428,7 +432,7 @@ class ShardedOptimizer(DistributedOptimizer):
         every = np.empty((backend.size, mine.size), dtype=np.int64)
         allgather(backend, mine, every)
         if not (every == every[0]).all():
-            values = allgather_object(backend, (op, self._wire, self._bucket_bytes, _describe(params, self._labels())))
+            values = allgather_object(backend, (op, self._wire, self._bucket_bytes, _describe(params, self._names)))
             lines = []
             for k, name in enumerate(_SETTINGS):
                 if (every[:, k] != every[0, k]).any():
@@ -662,7 +666,6 @@ class ShardedOptimizer(DistributedOptimizer):
         size, n, nb = self._backend.size, len(self._params), len(self._buckets)
         row = self._head[self._backend.rank].numpy()
         somebody = row[:n] > 0
-        self._reduced_flags = somebody
         for i, p in enumerate(self._params):
             if not somebody[i] and self._views[i] is not None:
                 p.grad = None
@@ -681,8 +684,7 @@ class ShardedOptimizer(DistributedOptimizer):
         differs = size * order[:, 2] != order[:, 1] * order[:, 1]
         if differs.any():
             k = int(np.flatnonzero(differs)[0])
-            labels = self._labels()
-            names = [labels[i] for i in self._buckets[k].params][:3]
+            names = [self._names[i] for i in self._buckets[k].params][:3]
             raise RuntimeError(
                 f"DistributedOptimizer: the gradients became ready in a different order on different ranks (bucket "
                 f"{k} of {nb}, holding {', '.join(names)}): the ranks run different models or different code paths "
@@ -736,7 +738,6 @@ class ShardedOptimizer(DistributedOptimizer):
         self._end_pending_step()
         self._reset_round()
         self._stale = False
-        self._reduced_flags = None
         if not set_to_none:
             for flat in self._flats:
                 flat.grads.zero_()
@@ -759,6 +760,8 @@ class ShardedOptimizer(DistributedOptimizer):
         enabled) and the loss it returns is reduced with ``op``, as ``shard_state=False`` does.
         """
         if hasattr(self, "found_inf") or hasattr(self, "grad_scale"):
+            self.__dict__.pop("found_inf", None)
+            self.__dict__.pop("grad_scale", None)
             raise TypeError(
                 "DistributedOptimizer(shard_state=True): torch.amp.GradScaler is not supported: its inf/NaN check "
                 "reads every .grad on each rank, and with sharded state only this rank's shard of .grad is reduced, "
@@ -773,17 +776,15 @@ class ShardedOptimizer(DistributedOptimizer):
                 loss = closure()
         if not self._no_sync and not self._synchronized and (self._dirty or not self._reduced):
             self._reduce()
-        flags = self._reduced_flags if not self._no_sync else None
-        self._reduced_flags = None
         self._end_pending_step()
-        self._step_shard(flags)
+        self._step_shard()
         if loss is not None and not self._no_sync:
             loss = self._reduce_loss(loss)
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
 
-    def _step_shard(self, flags: np.ndarray | None) -> None:
+    def _step_shard(self) -> None:
         """The shard optimizer's step (pieces of parameters without gradient skipped), then the allgather."""
         for p, view in self._view_pairs():
             if view is not None and p.grad is not None and not _is_slice(p.grad, view):
@@ -801,8 +802,6 @@ class ShardedOptimizer(DistributedOptimizer):
         rank = self._backend.rank
         with exclusive(self._backend, "DistributedOptimizer.step"):
             for b in self._buckets:
-                if flags is not None and not flags[b.params].any():
-                    continue  # no rank had a gradient for any of its parameters: nothing changed
                 piece = self._scratch_for(b.values.dtype, b.values.device, b.piece)
                 piece.copy_(b.values[rank])
                 allgather(self._backend, piece, b.values)

@@ -1,0 +1,563 @@
+"""Bodies of the sharded-optimizer tests (``shard_state=True``), run on LocalBackend.spawn and under mpiexec
+(tests/sharded_job.py).
+
+Every comparison runs the sharded optimizer and the unsharded ``DistributedOptimizer`` side by side on the
+same backend, on identical models fed identical data, and compares them after every step: bit for bit where
+the sums are the same (LocalBackend adds in rank order for both collectives; any backend adds two numbers
+alike), else within ``TOLERANCE`` (MPI on 3 ranks: ``Reduce_scatter_block`` and ``Allreduce`` may add in other
+orders).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+
+import distutils_ml as dml
+
+from reducer_bodies import TwoWay
+from train_bodies import _gen, replicas_identical
+
+KINDS = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "adamax", "nadam", "radam", "asgd", "adadelta", "rprop")
+#: (rtol, atol) where the sums may differ in rounding: float32 gradients, a few steps.
+TOLERANCE = {None: (1e-4, 1e-5), "bfloat16": (1e-2, 1e-3)}
+
+
+def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    """An elementwise optimizer with state (momentum for SGD) and weight decay where it has one."""
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+    if kind == "rprop":
+        return torch.optim.Rprop(params, lr=0.01)
+    if kind == "adadelta":
+        return torch.optim.Adadelta(params, lr=0.5, weight_decay=0.01)
+    cls = {
+        "adam": torch.optim.Adam,
+        "adamw": torch.optim.AdamW,
+        "rmsprop": torch.optim.RMSprop,
+        "adagrad": torch.optim.Adagrad,
+        "adamax": torch.optim.Adamax,
+        "nadam": torch.optim.NAdam,
+        "radam": torch.optim.RAdam,
+        "asgd": torch.optim.ASGD,
+    }[kind]
+    return cls(params, lr=0.01, weight_decay=0.01)
+
+
+class Net(torch.nn.Module):
+    """An MLP of ``widths``, a side layer used on odd ranks only ("some") and a parameter no rank uses."""
+
+    def __init__(self, widths: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        g = _gen(seed)
+        layers: list[torch.nn.Module] = []
+        for a, b in itertools.pairwise(widths):
+            layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+        self.body = torch.nn.Sequential(*layers[:-1])
+        self.side = torch.nn.Linear(widths[0], widths[-1])
+        self.never = torch.nn.Parameter(torch.zeros(3))
+        self.to(dtype)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=dtype) * 0.5)
+
+    def forward(self, x: torch.Tensor, side: bool = False) -> torch.Tensor:
+        out = self.body(x)
+        return out + self.side(x) if side else out
+
+
+@dataclass(frozen=True)
+class ShardCase:
+    seed: int
+    widths: tuple[int, ...]
+    kind: str
+    bucket_bytes: int
+    overlap: bool
+    op: str  # "avg" or "sum"
+    wire: str | None  # communication_dtype: None or "bfloat16"
+    micro: int  # micro-batches per step
+    accumulate: str  # "no_sync" (DDP's way) or "passes" (backward_passes_per_step)
+    unused: str  # "none", "some" (the side layer on odd ranks) or "all" (the side layer nowhere)
+    scheduler: bool
+    synchronize: bool  # opt.synchronize() before step()
+    groups: bool  # two parameter groups with different learning rates
+    steps: int
+
+
+@st.composite
+def shard_cases(draw: st.DrawFn, kinds: tuple[str, ...] = ("sgd", "adam")) -> ShardCase:
+    return ShardCase(
+        seed=draw(st.integers(0, 10**6)),
+        widths=tuple(draw(st.lists(st.integers(1, 24), min_size=2, max_size=4))),
+        kind=draw(st.sampled_from(kinds)),
+        bucket_bytes=draw(st.sampled_from([0, 64, 1024, 1 << 20])),
+        overlap=draw(st.booleans()),
+        op=draw(st.sampled_from(["avg", "sum"])),
+        wire=draw(st.sampled_from([None, None, "bfloat16"])),
+        micro=draw(st.integers(1, 3)),
+        accumulate=draw(st.sampled_from(["no_sync", "passes"])),
+        unused=draw(st.sampled_from(["none", "some", "all"])),
+        scheduler=draw(st.booleans()),
+        synchronize=draw(st.booleans()),
+        groups=draw(st.booleans()),
+        steps=draw(st.integers(1, 3)),
+    )
+
+
+def fixed_case(kind: str = "adam", **changes: Any) -> ShardCase:
+    """A case that exercises most paths at once (accumulation, unused parameters, a scheduler)."""
+    values: dict[str, Any] = {
+        "seed": 5,
+        "widths": (5, 9, 3),
+        "kind": kind,
+        "bucket_bytes": 64,
+        "overlap": False,
+        "op": "avg",
+        "wire": None,
+        "micro": 2,
+        "accumulate": "no_sync",
+        "unused": "some",
+        "scheduler": True,
+        "synchronize": False,
+        "groups": True,
+        "steps": 3,
+    }
+    values.update(changes)
+    return ShardCase(**values)
+
+
+def exact(backend: dml.Backend) -> bool:
+    """Whether the sharded and unsharded reductions add in the same order (then results are bitwise equal)."""
+    return isinstance(backend, dml.LocalBackend) or dml.total_workers(backend) <= 2
+
+
+def check_close(backend: dml.Backend, got: torch.Tensor, want: torch.Tensor, what: str, wire: str | None) -> None:
+    if exact(backend):
+        assert torch.equal(got, want), f"{what}: differs by up to {(got - want).abs().max()}"
+    else:
+        rtol, atol = TOLERANCE[wire]
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def _param_groups(model: Net, groups: bool) -> Any:
+    if not groups:
+        return model.parameters()
+    first = list(model.body.parameters())
+    return [{"params": first}, {"params": [*model.side.parameters(), model.never], "lr": 0.003}]
+
+
+def _batch(case: ShardCase, step: int, micro: int, rank: int) -> torch.Tensor:
+    return torch.randn(3, case.widths[0], generator=_gen(case.seed + 1000 * step + 10 * micro + 7 + 97 * rank))
+
+
+def _state_equal(backend: dml.Backend, got: dict[str, Any], want: dict[str, Any], wire: str | None) -> None:
+    assert got["param_groups"] == want["param_groups"], (got["param_groups"], want["param_groups"])
+    assert sorted(got["state"]) == sorted(want["state"]), (sorted(got["state"]), sorted(want["state"]))
+    for i, entries in want["state"].items():
+        assert list(got["state"][i]) == list(entries), (i, list(got["state"][i]), list(entries))
+        for k, v in entries.items():
+            g = got["state"][i][k]
+            if isinstance(v, torch.Tensor):
+                assert g.shape == v.shape and g.dtype == v.dtype and g.device == v.device, (i, k, g, v)
+                check_close(backend, g, v, f"state[{i}][{k!r}]", wire)
+            else:
+                assert g == v, (i, k, g, v)
+
+
+def equivalence_body(backend: dml.Backend, case: ShardCase) -> list[float]:
+    """Sharded and unsharded DistributedOptimizer side by side: after each backward this rank's shard of
+    ``.grad`` is the unsharded one (and ``.grad`` is None exactly where it is there); after each step the
+    parameters are equal; at the end ``state_dict()`` is the unsharded one and the replicas are identical."""
+    rank = dml.local_rank(backend)
+    models = [Net(case.widths, case.seed), Net(case.widths, case.seed)]
+    kwargs: dict[str, Any] = {
+        "op": {"avg": dml.AVG, "sum": dml.SUM}[case.op],
+        "bucket_bytes": case.bucket_bytes,
+        "communication_dtype": getattr(torch, case.wire) if case.wire else None,
+        "overlap": case.overlap,
+        "backward_passes_per_step": case.micro if case.accumulate == "passes" else 1,
+    }
+    opts = [
+        dml.DistributedOptimizer(
+            backend, make_optimizer(case.kind, _param_groups(m, case.groups)), shard_state=s, **kwargs
+        )
+        for m, s in zip(models, (True, False), strict=True)
+    ]
+    sharded = opts[0]
+    assert isinstance(sharded, dml.ShardedOptimizer) and isinstance(sharded, dml.DistributedOptimizer)
+    assert not isinstance(opts[1], dml.ShardedOptimizer)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7) if case.scheduler else None for o in opts]
+    side = case.unused == "some" and rank % 2 == 1
+    for step in range(case.steps):
+        for model, opt in zip(models, opts, strict=True):
+            opt.zero_grad()
+            for m in range(case.micro):
+                quiet = case.accumulate == "no_sync" and m < case.micro - 1
+                with opt.no_sync() if quiet else contextlib.nullcontext():
+                    model(_batch(case, step, m, rank), side=side).pow(2).mean().backward()
+            if case.synchronize:
+                opt.synchronize()
+        _check_grads(backend, opts, case)
+        for opt, sched in zip(opts, scheds, strict=True):
+            opt.step()
+            if sched is not None:
+                sched.step()
+        for (name, p), q in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+            check_close(backend, p.detach(), q.detach(), f"step {step}: {name}", case.wire)
+    _state_equal(backend, sharded.state_dict(), opts[1].state_dict(), case.wire)
+    flat = torch.cat([p.detach().reshape(-1) for p in models[0].parameters()]).tolist()
+    replicas_identical(backend, flat)
+    return flat
+
+
+def _check_grads(backend: dml.Backend, opts: list[Any], case: ShardCase) -> None:
+    """This rank's shard of the sharded ``.grad`` is the unsharded ``.grad``; None in the same places."""
+    ours, ref = ([p for g in opt.param_groups for p in g["params"]] for opt in opts)
+    for p, q in zip(ours, ref, strict=True):
+        assert (p.grad is None) == (q.grad is None), (p.shape, p.grad, q.grad)
+    for pc in opts[0]._pieces:
+        q = ref[pc.index]
+        if q.grad is None or pc.grad is None:
+            continue
+        want = q.grad.reshape(-1)[pc.lo : pc.hi]
+        check_close(backend, pc.grad.reshape(-1), want, f"grad of parameter {pc.index}", case.wire)
+
+
+def kinds_body(backend: dml.Backend, kind: str) -> list[float]:
+    """Every elementwise optimizer: the fixed case, at the end of backward and with overlap."""
+    flat = equivalence_body(backend, fixed_case(kind))
+    equivalence_body(backend, fixed_case(kind, overlap=True, accumulate="passes", groups=False, unused="all"))
+    return flat
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+
+
+def resume_body(
+    backend: dml.Backend, steps: int, start: dict[str, Any] | None, sharded: bool = True, kind: str = "adam"
+) -> dict[str, Any]:
+    """``steps`` steps from ``start`` (or from scratch); returns a checkpoint of the end, the same on every rank.
+
+    ``op=dml.MAX`` over data that is the same on every rank makes the run independent of the
+    number of ranks bit for bit, so a run resumed from a checkpoint of another world size must
+    match an uninterrupted one exactly.
+    """
+    model = Net((4, 7, 3), 11)
+    opt = dml.DistributedOptimizer(
+        backend, make_optimizer(kind, _param_groups(model, True)), op=dml.MAX, bucket_bytes=64, shard_state=sharded
+    )
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    first = 0
+    if start is not None:
+        model.load_state_dict(start["model"])
+        opt.load_state_dict(start["opt"])
+        sched.load_state_dict(start["sched"])
+        first = start["step"]
+    for step in range(first, first + steps):
+        x = torch.randn(5, 4, generator=_gen(1000 + step))  # the same on every rank
+        opt.zero_grad()
+        model(x, side=step % 2 == 0).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "opt": opt.state_dict(),
+        "sched": sched.state_dict(),
+        "step": first + steps,
+    }
+
+
+def checkpoints_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Bit for bit: parameters, optimizer state (keys, shapes, values) and scheduler."""
+    assert got["step"] == want["step"] and got["sched"] == want["sched"], (got["sched"], want["sched"])
+    for k, v in want["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    assert got["opt"]["param_groups"] == want["opt"]["param_groups"]
+    assert sorted(got["opt"]["state"]) == sorted(want["opt"]["state"])
+    for i, entries in want["opt"]["state"].items():
+        assert list(got["opt"]["state"][i]) == list(entries), i
+        for k, v in entries.items():
+            g = got["opt"]["state"][i][k]
+            assert torch.equal(g, v) and g.dtype == v.dtype, (i, k, g, v)
+
+
+def save_body(backend: dml.Backend, path: str, steps: int, sharded: bool = True) -> dict[str, Any]:
+    """``resume_body`` from scratch, then ``dml.save`` of its checkpoint (``opt.state_dict()`` on every rank)."""
+    checkpoint = resume_body(backend, steps, None, sharded)
+    dml.save(backend, checkpoint, path)
+    return checkpoint
+
+
+def load_body(backend: dml.Backend, path: str, steps: int, sharded: bool = True) -> dict[str, Any]:
+    """``dml.load`` a checkpoint (of any world size) and go on ``steps`` steps."""
+    return resume_body(backend, steps, dml.load(backend, path), sharded)
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+
+def errors_body(backend: dml.Backend, overlap: bool) -> list[str]:
+    """Errors on every rank, the world usable after each: a backward into gradients already reduced, ready
+    order differing, parameters changed on one rank, a second backward after an interrupted one, ranks
+    configured differently, GradScaler, and dml.save asking rank 0 alone for the consolidated state."""
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    x = torch.randn(2, 4, generator=_gen(3), dtype=torch.float64)
+    seen: list[str] = []
+
+    def expect(fn: Any, fragment: str, error: type[Exception] = RuntimeError) -> None:
+        try:
+            fn()
+        except error as e:
+            assert fragment in str(e), f"rank {rank}: {fragment!r} not in {e}"
+            seen.append(fragment)
+        else:
+            raise AssertionError(f"rank {rank}: no {error.__name__} with {fragment!r}")
+
+    model = TwoWay(0)
+    opt = dml.DistributedOptimizer(
+        backend, torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=0, overlap=overlap, shard_state=True
+    )
+
+    def step() -> None:
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+
+    # 1. Accumulating into gradients already reduce-scattered (a backward after the step, without zero_grad).
+    step()
+    expect(lambda: model(x).sum().backward(), "already reduce-scattered")
+    step()
+    model.zero_grad()  # set_to_none: nothing left to add to
+    model(x).sum().backward()
+    opt.step()
+
+    # 2. The last rank runs the two layers in the other order.
+    if size > 1:
+        opt.zero_grad()
+        expect(lambda: model(x, flip=rank == size - 1).sum().backward(), "in a different order on different ranks")
+    step()
+
+    # 3. requires_grad switched on rank 0 only.
+    opt.zero_grad()
+    if rank == 0:
+        model.c.requires_grad_(False)
+    expect(lambda: model(x).sum().backward(), "the parameters changed after the sharded layout was built")
+    model.c.requires_grad_(True)
+    step()
+
+    # 4. A backward interrupted midway, then another.
+    opt.zero_grad()
+    try:
+        model(x, interrupt=True).sum().backward()
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("the interrupted backward did not raise")
+    expect(lambda: model(x).sum().backward(), "a second backward() started before the gradients")
+    step()
+
+    # 5. GradScaler: refused on every rank before anything moves.
+    scaler = torch.amp.GradScaler("cpu")
+    opt.zero_grad()
+    scaler.scale(model(x).sum()).backward()
+    expect(lambda: scaler.step(opt), "GradScaler is not supported", TypeError)
+    step()
+
+    # 6. dml.save of the live optimizer: rank 0 alone would be asked for a collective.
+    expect(lambda: dml.save(backend, {"opt": opt}, "/nonexistent/never-written.pt"), "opt.state_dict()")
+    step()
+    replicas_identical(backend, torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist())
+
+    # 7. Ranks configured differently: every rank raises at the first backward.
+    other = TwoWay(1)
+    odd = dml.DistributedOptimizer(
+        backend, torch.optim.SGD(other.parameters(), lr=0.1), bucket_bytes=64 * (rank + 1), shard_state=True
+    )
+    if size > 1:
+        expect(lambda: other(x).sum().backward(), "bucket_bytes is 64 on rank 0, 128 on rank 1", ValueError)
+    del odd
+    return seen
+
+
+def bad_input_body(backend: dml.Backend, culprit: int) -> int:
+    """Bad arguments on rank ``culprit`` only raise there before any communication: a barrier after each
+    still pairs with the other ranks' barriers."""
+    rank = dml.local_rank(backend)
+    model = torch.nn.Linear(3, 2)
+    bad: list[tuple[Any, type[Exception], str]] = [
+        (lambda: torch.optim.LBFGS(model.parameters()), TypeError, "LBFGS"),
+        (lambda: torch.optim.SparseAdam(model.parameters()), TypeError, "SparseAdam"),
+        (lambda: _Custom(model.parameters()), TypeError, "not known to be elementwise"),
+    ]
+    if hasattr(torch.optim, "Adafactor"):
+        bad.append((lambda: torch.optim.Adafactor(model.parameters()), TypeError, "Adafactor"))
+    for make, error, fragment in bad:
+        if rank == culprit:
+            try:
+                dml.DistributedOptimizer(backend, make(), shard_state=True)
+            except error as e:
+                assert fragment in str(e), str(e)
+            else:
+                raise AssertionError(f"{fragment}: accepted")
+        dml.barrier(backend)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    for kwargs, error, fragment in [
+        ({"shard_state": "yes"}, TypeError, "shard_state"),
+        ({"shard_state": True, "backward_passes_per_step": 0}, ValueError, "backward_passes_per_step"),
+        ({"shard_state": True, "communication_dtype": torch.int8}, ValueError, "communication_dtype"),
+        ({"shard_state": True, "bucket_bytes": -1}, ValueError, "bucket_bytes"),
+        ({"shard_state": True, "op": "bogus"}, ValueError, "bogus"),
+    ]:
+        if rank == culprit:
+            try:
+                dml.DistributedOptimizer(backend, sgd, **kwargs)
+            except error as e:
+                assert fragment in str(e), str(e)
+            else:
+                raise AssertionError(f"{kwargs}: accepted")
+        dml.barrier(backend)
+    return rank
+
+
+class _Custom(torch.optim.Optimizer):
+    """An optimizer the sharded optimizer cannot know to be elementwise."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+
+# -- memory, clipping, special parameters ---------------------------------------------------------------
+
+
+def memory_body(backend: dml.Backend, widths: tuple[int, ...]) -> dict[str, int]:
+    """Adam's state per rank is this rank's W-th of the elements (every element on exactly one rank);
+    the parameters and gradients live in one flat buffer each; the wrapped optimizer keeps no state."""
+    size = dml.total_workers(backend)
+    model = Net(widths, 3)
+    opt = dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters()), bucket_bytes=1024, shard_state=True)
+    opt.zero_grad()
+    model(torch.randn(2, widths[0]), side=True).sum().backward()
+    model.never.grad = torch.ones(3)  # by hand: every parameter has state after the step
+    opt.step()
+    total = sum(p.numel() for p in model.parameters())
+    state = opt.shard_optimizer.state
+    mine = sum(v.numel() for s in state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim())
+    owned = sum(pc.hi - pc.lo for pc in opt._pieces)
+    assert mine == 2 * owned, (mine, owned)  # exp_avg and exp_avg_sq of the owned elements, nothing else
+    every = np.empty(size, dtype=np.int64)
+    dml.allgather(backend, np.array(owned, dtype=np.int64), every)
+    assert every.sum() == total, (every, total)  # each element on exactly one rank
+    buckets, shard = len(opt._buckets), sum(f.shard for f in opt._flats)  # the shard: the same size on every rank
+    assert every.max() <= shard, (every, shard)
+    # Padding: each parameter starts on 64 bytes (< 16 float32 gaps), each bucket rounds up to a multiple of W.
+    padding = shard * size - total
+    assert 0 <= padding <= 15 * len(opt._params) + (size - 1) * buckets, (padding, total, buckets)
+    assert not opt.state and not opt.optimizer.state, "the wrapped optimizer holds no state of its own"
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    grads = {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    assert len(storages) == 1 and len(grads) == 1, (storages, grads)
+    return {"owned": owned, "total": total, "buckets": buckets}
+
+
+def clip_body(backend: dml.Backend, norm_type: float) -> float:
+    """``opt.clip_grad_norm_`` equals torch's clip_grad_norm_ on the unsharded gradients (norm and parameters)."""
+    rank = dml.local_rank(backend)
+    models = [Net((5, 8, 2), 4), Net((5, 8, 2), 4)]
+    opts = [
+        dml.DistributedOptimizer(backend, torch.optim.SGD(m.parameters(), lr=0.5), bucket_bytes=64, shard_state=s)
+        for m, s in zip(models, (True, False), strict=True)
+    ]
+    x = torch.randn(4, 5, generator=_gen(rank)) * (rank + 1) * 3
+    norms = []
+    for model, opt in zip(models, opts, strict=True):
+        opt.zero_grad()
+        model(x, side=True).pow(2).sum().backward()
+    norms.append(float(opts[0].clip_grad_norm_(0.5, norm_type)))
+    norms.append(float(torch.nn.utils.clip_grad_norm_(models[1].parameters(), 0.5, norm_type)))
+    assert norms[1] > 0.5, "the case must clip"
+    np.testing.assert_allclose(norms[0], norms[1], rtol=1e-5)
+    for opt in opts:
+        opt.step()
+    for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+    return norms[0]
+
+
+class Mixed(torch.nn.Module):
+    """float32 and float64 parameters, a parameter without elements and a frozen one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = _gen(9)
+        self.a = torch.nn.Parameter(torch.randn(5, 3, generator=g))
+        self.empty = torch.nn.Parameter(torch.empty(0, 3))
+        self.frozen = torch.nn.Parameter(torch.randn(3, generator=g), requires_grad=False)
+        self.b = torch.nn.Parameter(torch.randn(3, 2, generator=g, dtype=torch.float64))
+        self.scalar = torch.nn.Parameter(torch.tensor(0.5, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ self.a + self.frozen + self.empty.sum())
+        return (h.double() @ self.b) * self.scalar
+
+
+def special_parameters_body(backend: dml.Backend, kind: str) -> None:
+    """Two dtypes (two flat buffers), a 0-d, an empty and a frozen parameter: as unsharded, state_dict included;
+    then add_param_group, after which both go on alike."""
+    rank = dml.local_rank(backend)
+    models = [Mixed(), Mixed()]
+    extra = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))]
+    opts = [
+        dml.DistributedOptimizer(backend, make_optimizer(kind, m.parameters()), bucket_bytes=32, shard_state=s)
+        for m, s in zip(models, (True, False), strict=True)
+    ]
+    for step in range(4):
+        if step == 2:
+            for opt, e in zip(opts, extra, strict=True):
+                opt.add_param_group({"params": [e], "lr": 0.05})
+        x = torch.randn(2, 5, generator=_gen(10 * step + rank))
+        for model, opt, e in zip(models, opts, extra, strict=True):
+            opt.zero_grad()
+            (model(x).sum() + (e * x.sum()).sum()).backward()
+            opt.step()
+        for p, q in zip([*models[0].parameters(), extra[0]], [*models[1].parameters(), extra[1]], strict=True):
+            check_close(backend, p.detach(), q.detach(), f"step {step}", None)
+    _state_equal(backend, opts[0].state_dict(), opts[1].state_dict(), None)
+
+
+def synchronize_body(backend: dml.Backend) -> None:
+    """dml.synchronize(backend, opt) makes the hyper-parameters rank 0's; the state stays sharded."""
+    rank = dml.local_rank(backend)
+    model = dml.synchronize(backend, Net((3, 4, 2), rank))  # different initial weights: rank 0's everywhere
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1 * (rank + 1), momentum=0.9)
+    opt = dml.synchronize(backend, dml.DistributedOptimizer(backend, sgd, shard_state=True))
+    assert all(g["lr"] == 0.1 for g in opt.param_groups), opt.param_groups
+    for step in range(2):
+        opt.zero_grad()
+        model(torch.randn(2, 3, generator=_gen(step + 10 * rank))).sum().backward()
+        opt.step()
+    assert all(g["lr"] == 0.1 for g in opt.shard_optimizer.param_groups)
+    replicas_identical(backend, torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist())
+
+
+#: Named variants of ``fixed_case``: each path on its own, for SGD-momentum and Adam.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "end_of_backward": {},
+    "overlap": {"overlap": True},
+    "no_sync": {"accumulate": "no_sync", "micro": 3},
+    "backward_passes_per_step": {"accumulate": "passes", "micro": 3},
+    "unused_on_some_ranks": {"unused": "some"},
+    "unused_everywhere": {"unused": "all"},
+    "bfloat16": {"wire": "bfloat16"},
+    "bfloat16_overlap": {"wire": "bfloat16", "overlap": True},
+    "sum": {"op": "sum", "micro": 1},
+    "synchronize": {"synchronize": True},
+    "one_group_no_scheduler": {"scheduler": False, "groups": False},
+    "every_parameter_a_bucket": {"bucket_bytes": 0},
+    "one_bucket": {"bucket_bytes": 1 << 20},
+}

@@ -1,0 +1,64 @@
+"""The MPI job of tests/test_sharded.py: ``mpiexec -n N python tests/sharded_job.py [CHECK...]``.
+
+Every rank runs the bodies of tests/sharded_bodies.py that LocalBackend runs too. Two checks take a
+path: ``save=PATH`` trains 3 steps and saves a checkpoint there (``dml.save``); ``resume=PATH,OUT`` loads
+it (saved by a job of any size), trains 3 more steps and saves the result to OUT. Rank 0 ends with
+``SHARDED CHECKS PASSED``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import signal
+import sys
+from typing import Any
+
+import distutils_ml as dml
+
+import sharded_bodies as sb
+from mpi_main import guarded, hypothesis_check, run_checks
+
+
+def main(names: list[str]) -> None:
+    faulthandler.register(signal.SIGUSR1)  # the test runner asks for stacks before killing a hung job
+    dml.initialize(dml.MPIBackend)
+    world = dml.get_distributed_backend(dml.MPIBackend)
+
+    def variants() -> int:
+        for kind in ("sgd", "adam"):
+            for changes in sb.VARIANTS.values():
+                guarded(sb.equivalence_body, world, sb.fixed_case(kind, **changes))
+        return 2 * len(sb.VARIANTS)
+
+    def each(body: Any, *cases: Any) -> int:
+        for case in cases:
+            guarded(body, world, case)
+        return len(cases)
+
+    checks: dict[str, Any] = {
+        "equivalence": lambda: hypothesis_check(world, sb.equivalence_body, sb.shard_cases(sb.KINDS), 12),
+        "variants": variants,
+        "kinds": lambda: each(sb.kinds_body, *sb.KINDS),
+        "errors": lambda: [guarded(sb.errors_body, world, overlap) for overlap in (False, True)],
+        "bad_input": lambda: each(sb.bad_input_body, *range(world.size)),
+        "memory": lambda: guarded(sb.memory_body, world, (7, 30, 5)),
+        "clip": lambda: each(sb.clip_body, 2.0, float("inf")),
+        "special": lambda: each(sb.special_parameters_body, "adam", "adagrad"),
+        "synchronize": lambda: guarded(sb.synchronize_body, world) or "ok",
+    }
+
+    def run_check(name: str) -> Any:
+        if name.startswith("save="):
+            return guarded(sb.save_body, world, name.removeprefix("save="), 3)["step"]
+        if name.startswith("resume="):
+            path, out = name.removeprefix("resume=").split(",")
+            checkpoint = guarded(sb.load_body, world, path, 3)
+            dml.save(world, checkpoint, out)
+            return checkpoint["step"]
+        return checks[name]()
+
+    run_checks(world, names or list(checks), "SHARDED CHECKS PASSED", run_check)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,151 @@
+"""The sharded optimizer (``DistributedOptimizer(..., shard_state=True)``): LocalBackend.spawn and mpiexec."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import distutils_ml as dml
+
+from mpirun import requires_mpi, run_mpi
+from sharded_bodies import (
+    KINDS,
+    VARIANTS,
+    ShardCase,
+    bad_input_body,
+    checkpoints_equal,
+    clip_body,
+    equivalence_body,
+    errors_body,
+    fixed_case,
+    kinds_body,
+    load_body,
+    memory_body,
+    resume_body,
+    save_body,
+    shard_cases,
+    special_parameters_body,
+    synchronize_body,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=shard_cases(KINDS), world=st.integers(1, 3))
+def test_sharded_equals_unsharded(case: ShardCase, world: int) -> None:
+    flats = dml.LocalBackend.spawn(world, equivalence_body, case, timeout=60)
+    assert all(f == flats[0] for f in flats)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_sgd_momentum_and_adam_equal_unsharded(kind: str, variant: str, world: int) -> None:
+    dml.LocalBackend.spawn(world, equivalence_body, fixed_case(kind, **VARIANTS[variant]), timeout=60)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_elementwise_optimizer(kind: str, world: int) -> None:
+    dml.LocalBackend.spawn(world, kinds_body, kind, timeout=60)
+
+
+@pytest.mark.parametrize("loader", [True, False], ids=["into_sharded", "into_unsharded"])
+@pytest.mark.parametrize("saver", [True, False], ids=["from_sharded", "from_unsharded"])
+def test_checkpoint_saved_at_3_resumes_at_2_and_1(tmp_path: object, saver: bool, loader: bool) -> None:
+    """op=MAX over the same data on every rank makes the run independent of W bit for bit (resume_body)."""
+    uninterrupted = dml.LocalBackend.spawn(1, resume_body, 6, None, timeout=60)[0]
+    checkpoints_equal(dml.LocalBackend.spawn(3, resume_body, 6, None, timeout=60)[1], uninterrupted)
+    path = str(tmp_path / "checkpoint.pt")  # type: ignore[operator]
+    dml.LocalBackend.spawn(3, save_body, path, 3, saver, timeout=60)
+    for world in (2, 1):
+        for resumed in dml.LocalBackend.spawn(world, load_body, path, 3, loader, timeout=60):
+            checkpoints_equal(resumed, uninterrupted)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_errors_are_raised_on_every_rank(world: int, overlap: bool) -> None:
+    seen = dml.LocalBackend.spawn(world, errors_body, overlap, timeout=60)
+    assert all(s == seen[0] for s in seen) and len(seen[0]) == (7 if world > 1 else 5), seen
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_bad_input_raises_before_communication(world: int) -> None:
+    for culprit in range(world):
+        dml.LocalBackend.spawn(world, bad_input_body, culprit, timeout=60)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_optimizer_state_per_rank_is_a_wth(world: int) -> None:
+    every = dml.LocalBackend.spawn(world, memory_body, (7, 30, 5), timeout=60)
+    assert sum(e["owned"] for e in every) == every[0]["total"]
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_clip_grad_norm_from_the_shards(world: int, norm_type: float) -> None:
+    norms = dml.LocalBackend.spawn(world, clip_body, norm_type, timeout=60)
+    assert all(n == norms[0] for n in norms)
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd", "adagrad"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_dtypes_empty_frozen_and_added_parameters(world: int, kind: str) -> None:
+    dml.LocalBackend.spawn(world, special_parameters_body, kind, timeout=60)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_synchronize_makes_hyperparameters_equal(world: int) -> None:
+    dml.LocalBackend.spawn(world, synchronize_body, timeout=60)
+
+
+def test_one_idea_for_users() -> None:
+    """shard_state=True gives a ShardedOptimizer (a DistributedOptimizer, a torch Optimizer); False changes nothing."""
+    backend = dml.LocalBackend()
+    model = torch.nn.Linear(3, 2)
+    opt = dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters()), shard_state=True)
+    assert type(opt) is dml.ShardedOptimizer
+    assert isinstance(opt, dml.DistributedOptimizer) and isinstance(opt, torch.optim.Optimizer)
+    assert repr(opt).startswith("ShardedOptimizer(op=dml.AVG, optimizer=Adam")
+    assert type(dml.DistributedOptimizer(backend, torch.optim.Adam(torch.nn.Linear(2, 2).parameters()))) is (
+        dml.DistributedOptimizer
+    )
+    assert type(dml.ShardedOptimizer(backend, torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1))) is (
+        dml.ShardedOptimizer
+    )
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(opt)
+    with pytest.raises(ValueError, match="shard_state"):
+        dml.ShardedOptimizer(backend, torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1), shard_state=False)
+
+    class Mine(dml.DistributedOptimizer):
+        pass
+
+    with pytest.raises(TypeError, match=r"subclass dml\.ShardedOptimizer"):
+        Mine(backend, torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1), shard_state=True)
+
+
+@requires_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_sharded_job_under_mpiexec(ranks: int) -> None:
+    job = run_mpi(ranks, ["tests/sharded_job.py"], timeout=300)
+    assert job.returncode == 0, job.output[-8000:]
+    checks = "equivalence variants kinds errors bad_input memory clip special synchronize"
+    assert f"SHARDED CHECKS PASSED: {checks} on {ranks} ranks" in job.output, job.output[-8000:]
+    for check in checks.split():
+        assert job.output.count(f"check {check} passed") == ranks, job.output[-8000:]
+
+
+@requires_mpi
+def test_checkpoint_of_3_mpi_ranks_resumes_on_2(tmp_path: object) -> None:
+    path, out = str(tmp_path / "at3.pt"), str(tmp_path / "at2.pt")  # type: ignore[operator]
+    saved = run_mpi(3, ["tests/sharded_job.py", f"save={path}"], timeout=120)
+    assert saved.returncode == 0 and "SHARDED CHECKS PASSED" in saved.output, saved.output[-8000:]
+    resumed = run_mpi(2, ["tests/sharded_job.py", f"resume={path},{out}"], timeout=120)
+    assert resumed.returncode == 0 and "SHARDED CHECKS PASSED" in resumed.output, resumed.output[-8000:]
+    uninterrupted = dml.LocalBackend.spawn(1, resume_body, 6, None, timeout=60)[0]
+    checkpoints_equal(torch.load(out, weights_only=True), uninterrupted)
