@@ -337,9 +337,13 @@ class MPIBackend(Backend):
             self._inflight = None
 
     def _reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, op: ReduceOp) -> None:
-        """``Reduce_scatter_block``; in place through a scratch row (MPI's in-place form would put the
-        result in row 0); above ``segment_bytes``, column blocks of every row packed into one scratch
-        piece at a time (a piece of the send buffer is not contiguous)."""
+        """``Reduce_scatter`` with equal counts; in place through a scratch row (MPI's in-place form would
+        put the result in row 0); above ``segment_bytes``, column blocks of every row packed into one
+        scratch piece at a time (a piece of the send buffer is not contiguous).
+
+        Not ``Reduce_scatter_block``, the same operation: Open MPI 5 runs it 10-17x slower
+        (2.0 ms against 0.12 ms for 1 MiB on 2 ranks of one node, where allreduce takes 0.17 ms).
+        """
         if sendbuf.dtype is _BOOL:
             sendbuf = sendbuf.view(np.uint8)
             recvbuf = None if recvbuf is None else recvbuf.view(np.uint8)
@@ -351,7 +355,7 @@ class MPIBackend(Backend):
         try:
             if sendbuf.nbytes <= self._piece_bytes:
                 target = np.empty_like(out) if recvbuf is None else out
-                self.comm.Reduce_scatter_block(rows, target, mop)
+                self.comm.Reduce_scatter(rows, target, [rows.shape[1]] * size, mop)
                 if op is _AVG:
                     _average(target, size)
                 if recvbuf is None:
@@ -365,7 +369,7 @@ class MPIBackend(Backend):
                 pack = scratch[: size * m].reshape(size, m)
                 np.copyto(pack, rows[:, i : i + m])
                 piece = out[i : i + m]
-                self.comm.Reduce_scatter_block(pack, piece, mop)
+                self.comm.Reduce_scatter(pack, piece, [m] * size, mop)
                 if op is _AVG:  # while the piece is still in cache
                     _average(piece, size)
         finally:
@@ -451,7 +455,8 @@ class MPIBackend(Backend):
             elif kind == "reduce_scatter":  # in place through a scratch row, as on host buffers
                 row = recv[self._rank] if send is None else recv
                 target = torch.empty_like(row) if send is None else row
-                self.comm.Reduce_scatter_block(recv if send is None else send, target, self._ops[op])
+                counts = [target.numel()] * self._size
+                self.comm.Reduce_scatter(recv if send is None else send, target, counts, self._ops[op])
                 if send is None:
                     row.copy_(target)
             else:
