@@ -26,6 +26,11 @@ Contenders (every one trains its own copy of the same model, same initial weight
   256 KiB bucket threshold, 4 MiB segments); ``--dml-buckets S1,S2`` adds ``dml_bb<S>`` with
   ``bucket_bytes=S``. Its "explicit comm" column is the time inside the optimizer's gradient
   reduction (a timer wrapped around ``dopt._reducer.reduce``; the call path is the user's ``step()``).
+* with ``--only``: ``dml_overlap`` / ``dml_end`` (``overlap=True`` / ``False`` forced), ``dml_shard``
+  (``DistributedOptimizer(backend, opt, shard_state=True)``: ZeRO-1, reduce-scatter + allgather) and
+  ``zero_gloo`` (DDP over gloo with torch's ``ZeroRedundancyOptimizer``). Each contender's optimizer
+  state per rank (bytes of the tensors in the state of the optimizer that steps) is printed and in
+  the JSON (``state_bytes_max_rank``).
 
 Method (the one of shared/bench/ddp_peers.py): each step draws one global batch of
 ``batch x ranks`` samples and rank r takes slice r. The contenders run one step each, in an order
@@ -59,7 +64,9 @@ import common
 BASE = "ddp_gloo"
 LOOPS = ("naive_mpi4py", "gradview_mpi4py_chunk4M")
 CONTENDERS = ("ideal_local", "ddp_gloo", "naive_mpi4py", "gradview_mpi4py_chunk4M", "dml_after", "dml")
-EXTRA_CONTENDERS = ("dml_overlap", "dml_end")  # with --only: DistributedOptimizer with overlap=True / False
+# with --only: DistributedOptimizer with overlap=True / False; sharded state (ZeRO-1) against torch's
+# ZeroRedundancyOptimizer over DDP-gloo
+EXTRA_CONTENDERS = ("dml_overlap", "dml_end", "dml_shard", "zero_gloo")
 # name -> Linear widths, ReLU between (none after the last); the models of shared/bench/ddp_peers.py.
 MODELS: dict[str, list[int]] = {
     "mlp2m": [784, 1024, 1024, 10],  # 1.86 M params, 6 tensors
@@ -174,6 +181,15 @@ class Trainer:
     module: Any
     mode: str = "dp"  # dp: gradients averaged over ranks | local: no communication | serial: one process
     note: str = ""
+    #: bytes of optimizer state this rank holds (tensors in the stepping optimizer's state)
+    state_bytes: Callable[[], int] | None = None
+
+
+def state_bytes(opt: Any) -> int:
+    """Bytes of the tensors in ``opt.state`` (the optimizer state this rank holds)."""
+    import torch
+
+    return sum(t.nbytes for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
 
 
 def make_trainer(world: World, name: str, make: Callable[[], tuple[Any, Any]]) -> Trainer:
@@ -212,7 +228,24 @@ def make_trainer(world: World, name: str, make: Callable[[], tuple[Any, Any]]) -
             F.cross_entropy(ddp(b.x_local), b.y_local).backward()
             opt.step()
 
-        return Trainer(step_ddp, model, note="bucket_cap_mb=25 (default)")
+        return Trainer(step_ddp, model, note="bucket_cap_mb=25 (default)", state_bytes=lambda: state_bytes(opt))
+
+    if name == "zero_gloo":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        world.gloo()
+        ddp = DDP(model)
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(opt), **opt.defaults)
+
+        def step_zero(b: Batch) -> None:
+            zero.zero_grad(set_to_none=True)
+            F.cross_entropy(ddp(b.x_local), b.y_local).backward()
+            zero.step()
+
+        return Trainer(
+            step_zero, model, note="DDP + ZeroRedundancyOptimizer", state_bytes=lambda: state_bytes(zero.optim)
+        )
 
     MPI, comm, n = world.MPI, world.comm, world.size
     if name == "naive_mpi4py":
@@ -262,11 +295,13 @@ def make_trainer(world: World, name: str, make: Callable[[], tuple[Any, Any]]) -
 
         return Trainer(step_after, model, note="allreduce_gradients, then step")
 
-    if name in ("dml", "dml_overlap", "dml_end") or name.startswith("dml_bb"):
+    if name in ("dml", "dml_overlap", "dml_end", "dml_shard") or name.startswith("dml_bb"):
         dml, backend = world.dml_backend()
         kw: dict[str, Any] = {}
         if name.startswith("dml_bb"):
             kw["bucket_bytes"] = common.parse_bytes(name.removeprefix("dml_bb"))
+        elif name == "dml_shard":
+            kw["shard_state"] = True
         elif name != "dml":
             kw["overlap"] = name == "dml_overlap"
         dopt = dml.DistributedOptimizer(backend, opt, **kw)
@@ -289,9 +324,15 @@ def make_trainer(world: World, name: str, make: Callable[[], tuple[Any, Any]]) -
             dopt.step()
             return spent[0] if reducer is not None else None
 
-        bb = getattr(reducer, "bucket_bytes", None)
+        bb = getattr(reducer, "bucket_bytes", getattr(dopt, "_bucket_bytes", None))
         seg = getattr(backend, "segment_bytes", None)
-        return Trainer(step_dml, model, note=f"bucket_bytes={bb}, segment_bytes={seg}, overlap={dopt.overlap}")
+        stepping = getattr(dopt, "shard_optimizer", opt)
+        return Trainer(
+            step_dml,
+            model,
+            note=f"bucket_bytes={bb}, segment_bytes={seg}, overlap={dopt.overlap}",
+            state_bytes=lambda: state_bytes(stepping),
+        )
 
     raise ValueError(f"unknown contender {name!r}")
 
@@ -362,6 +403,8 @@ def run_model(world: World, model_name: str, names: list[str], args: argparse.Na
             r["maxdiff_ranks"] = world.allmax(float(np.max(np.abs(p - p0))))
             r[f"maxdiff_vs_{BASE}"] = world.allmax(float(np.max(np.abs(p - ref)))) if ref is not None else None
         r["param_absmax"] = float(np.max(np.abs(p)))
+        if tr.state_bytes is not None:
+            r["state_bytes_max_rank"] = world.allmax(float(tr.state_bytes()))
         out["contenders"][name] = r
     summarize(out)
     return out
@@ -472,6 +515,9 @@ def report_model(res: dict[str, Any], args: argparse.Namespace, ranks: int) -> N
     ]
     keep = [0, 1, 2, 7] if args.serial else list(range(len(headers)))  # the serial run has no peers to compare
     print(common.table([headers[i] for i in keep], [[r[i] for i in keep] for r in rows]))
+    states = [f"{n} {r['state_bytes_max_rank'] / 2**20:.1f} MiB" for n, r in cs.items() if "state_bytes_max_rank" in r]
+    if states:
+        print("\noptimizer state per rank (the largest rank's): " + ", ".join(states))
     notes = [f"{n}: {r['note']}" for n, r in cs.items() if r["note"]]
     if notes:
         print("\n" + "; ".join(notes))

@@ -111,6 +111,24 @@ def step_table(label: str, res: dict[str, Any], comm_s: dict[str, float] | None 
     return f"#### training step, {label}\n\n" + "\n".join(rows)
 
 
+def shard_table(label: str, res: dict[str, Any]) -> str | None:
+    """Sharded optimizer state (dml_shard) against the unsharded dml and torch's ZeroRedundancyOptimizer."""
+    rows = ["| model | dml step | dml_shard step | zero_gloo step | shard / dml | shard / zero | "
+            "optimizer state per rank: dml / shard / zero |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for model, r in res["results"].items():
+        cs = r["contenders"]
+        if not {"dml", "dml_shard", "zero_gloo"} <= set(cs):
+            return None
+        dml, shard, zero = (statistics.median(cs[k]["times_s"]) for k in ("dml", "dml_shard", "zero_gloo"))
+        names = ("dml", "dml_shard", "zero_gloo")
+        mib = " / ".join(f"{cs[k].get('state_bytes_max_rank', 0) / 2**20:.1f}" for k in names)
+        rows.append(
+            f"| {model} ({r['nparams'] / 1e6:.1f} M) | {_t(dml)} | {_t(shard)} | {_t(zero)} | {shard / dml:.2f} | "
+            f"{shard / zero:.2f} | {mib} MiB |"
+        )
+    return f"#### sharded optimizer state, {label}\n\n" + "\n".join(rows)
+
+
 def model_comm(ar: dict[str, Any], st: dict[str, Any]) -> dict[str, float]:
     """Seconds one dml allreduce of each model's gradients takes on the link: the measured size nearest to the
     model's gradient bytes (at or above it when there is one), scaled linearly by bytes."""
@@ -142,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="mlp2m,deep36,mlp25m")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--batch", type=int, default=64, help="samples per rank per step of the training comparison")
+    ap.add_argument("--opt", choices=["sgd", "adam"], default="sgd", help="the training comparison's optimizer")
+    ap.add_argument("--only", default="ideal_local,ddp_gloo,dml_after,dml", help="benchmarks/ddp.py's contenders")
     ap.add_argument("--no-steps", action="store_true", help="the allreduce comparison only")
     ap.add_argument("--json-dir", default="benchmarks/results", help="where each job's JSON goes")
     args = ap.parse_args(argv)
@@ -155,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     for text in args.links.split(","):
         label, rate, delay = parse_link(text)
         tag = text.replace(":", "_").replace(".", "p") + (f"-batch{args.batch}" if args.batch != 64 else "")
+        tag += "" if args.opt == "sgd" else f"-{args.opt}"
         start = time.monotonic()
         with cluster.cluster(2, 1, link=(rate, delay)) as c:
             alone = probe(c)
@@ -163,11 +184,13 @@ def main(argv: list[str] | None = None) -> int:
                          out / f"network-allreduce-{tag}.json", timeout=900)  # fmt: skip
             st = None if args.no_steps else mpi_job(
                 c, "ddp.py", ["--models", args.models, "--steps", str(args.steps), "--warmup", "2",
-                              "--batch", str(args.batch), "--only", "ideal_local,ddp_gloo,dml_after,dml"],
+                              "--batch", str(args.batch), "--opt", args.opt, "--only", args.only],
                 out / f"network-ddp-{tag}.json", timeout=900,
             )  # fmt: skip
         tables += [f"### {label}\n\nThe link alone: {_probe_text(alone)}.", allreduce_table(label, rate, ar)]
-        tables += [step_table(label, st, model_comm(ar, st))] if st else []
+        tables += [step_table(label, st, model_comm(ar, st))] if st and "ddp_gloo" in args.only else []
+        sharded = shard_table(label, st) if st else None
+        tables += [sharded] if sharded else []
         tables.append(f"({time.monotonic() - start:.0f} s)")
     print("\n\n".join(tables))
     return 0
