@@ -389,9 +389,10 @@ def test_len_of_the_loader_dataset_is_said_to_be_the_share() -> None:
 
 
 @pytest.mark.parametrize("page", ["docs/optimizer.md", *MIGRATION])
-def test_reading_grad_before_step_is_an_admonition(page: str) -> None:
+def test_reading_grad_after_backward_is_an_admonition(page: str) -> None:
+    """Each page says loudly what .grad holds after backward(): the average, clipping/AMP need no opt.synchronize()."""
     loud = [a for a in _admonitions(_text(page)) if "opt.synchronize()" in a]
-    assert loud, f"{page}: no admonition says to call opt.synchronize() before reading .grad"
+    assert loud, f"{page}: no admonition says whether opt.synchronize() is needed before reading .grad"
     body = "\n".join(loud)
     for word in ("clip", "GradScaler", "stall"):
         assert word in body, f"{page}: the admonition does not mention {word!r}"
