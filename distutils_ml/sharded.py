@@ -498,7 +498,7 @@ class ShardedOptimizer(DistributedOptimizer):
         if i is None or self._params[i] is not param:
             return
         view, g = self._views[i], param.grad
-        if view is None or g is None or _is_slice(g, view):
+        if view is None or g is None or _is_view(g, view):
             return
         with torch.no_grad():
             view.copy_(g.to_dense() if g.layout != torch.strided else g)
@@ -508,7 +508,7 @@ class ShardedOptimizer(DistributedOptimizer):
         """Raise if the gradient buffers still hold a reduction that a backward would add to."""
         if not self._stale:
             return
-        if not any(v is not None and p.grad is not None and _is_slice(p.grad, v) for p, v in self._view_pairs()):
+        if not any(v is not None and p.grad is not None and _is_view(p.grad, v) for p, v in self._view_pairs()):
             self._stale = False  # every gradient was cleared (model.zero_grad()) or replaced
             return
         raise RuntimeError(
@@ -787,7 +787,7 @@ class ShardedOptimizer(DistributedOptimizer):
     def _step_shard(self) -> None:
         """The shard optimizer's step (pieces of parameters without gradient skipped), then the allgather."""
         for p, view in self._view_pairs():
-            if view is not None and p.grad is not None and not _is_slice(p.grad, view):
+            if view is not None and p.grad is not None and not _is_view(p.grad, view):
                 self._adopt(p)  # a gradient set by hand after the reduction: this rank's own values
         for pc in self._pieces:
             if pc.grad is not None:
@@ -856,11 +856,12 @@ class ShardedOptimizer(DistributedOptimizer):
         Exactly what ``shard_state=False`` (or the plain optimizer) would return: state keyed by
         parameter index, tensors shaped like the parameters. Loads into any world size, sharded or not.
         """
-        if self._backend._entry._is_owned():  # inside another collective (dml.save's, on rank 0 only)
+        if self._backend._entry._is_owned():  # inside another collective, which runs this on one rank only
             raise RuntimeError(
-                "DistributedOptimizer(shard_state=True).state_dict() is a collective, called here inside another "
-                "one on this rank only: dml.save(backend, {'opt': opt}, path) asks rank 0 alone for it. Pass the "
-                "consolidated state instead, from every rank: dml.save(backend, {'opt': opt.state_dict()}, path)"
+                "DistributedOptimizer(shard_state=True).state_dict() is a collective (every rank consolidates the "
+                "state), called here from inside another collective on this rank alone, where it would wait for "
+                "ranks that never join. Call opt.state_dict() on every rank and pass its result instead, e.g. "
+                "dml.save(backend, {'opt': opt.state_dict()}, path)"
             )
         full = self._gather_state()
         outer = self.optimizer
@@ -980,6 +981,11 @@ class ShardedOptimizer(DistributedOptimizer):
             p = self._params[i]
             at = self._offset[i] - b.start
             full[i][key] = buckets[k][at : at + p.numel()].view(p.shape).clone()
+
+
+def _is_view(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether ``grad`` is already ``view``, its place in the flat gradient buffer (a sparse gradient never is)."""
+    return grad.layout == torch.strided and _is_slice(grad, view)
 
 
 def _is_share(pc: _Piece, p: torch.Tensor, v: torch.Tensor) -> bool:

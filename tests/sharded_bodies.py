@@ -20,6 +20,7 @@ import torch
 from hypothesis import strategies as st
 
 import distutils_ml as dml
+from distutils_ml.objects import run_on_root
 
 from reducer_bodies import TwoWay
 from train_bodies import _gen, replicas_identical
@@ -305,7 +306,7 @@ def load_body(backend: dml.Backend, path: str, steps: int, sharded: bool = True)
 def errors_body(backend: dml.Backend, overlap: bool) -> list[str]:
     """Errors on every rank, the world usable after each: a backward into gradients already reduced, ready
     order differing, parameters changed on one rank, a second backward after an interrupted one, ranks
-    configured differently, GradScaler, and dml.save asking rank 0 alone for the consolidated state."""
+    configured differently, GradScaler, and state_dict() asked of rank 0 alone inside another collective."""
     rank, size = dml.local_rank(backend), dml.total_workers(backend)
     x = torch.randn(2, 4, generator=_gen(3), dtype=torch.float64)
     seen: list[str] = []
@@ -369,8 +370,8 @@ def errors_body(backend: dml.Backend, overlap: bool) -> list[str]:
     expect(lambda: scaler.step(opt), "GradScaler is not supported", TypeError)
     step()
 
-    # 6. dml.save of the live optimizer: rank 0 alone would be asked for a collective.
-    expect(lambda: dml.save(backend, {"opt": opt}, "/nonexistent/never-written.pt"), "opt.state_dict()")
+    # 6. state_dict() asked of rank 0 alone inside another collective (as dml.save does with what it writes).
+    expect(lambda: run_on_root(backend, opt.state_dict), "Call opt.state_dict() on every rank")
     step()
     replicas_identical(backend, torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist())
 
@@ -561,3 +562,48 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "every_parameter_a_bucket": {"bucket_bytes": 0},
     "one_bucket": {"bucket_bytes": 1 << 20},
 }
+
+
+def extras_body(backend: dml.Backend) -> None:
+    """As unsharded: sparse embedding gradients (dense in the buffer), step(closure) with its reduced loss,
+    gradients set by hand and reduced by synchronize(), and an optimizer whose parameters are all frozen."""
+    rank = dml.local_rank(backend)
+    results: list[list[torch.Tensor]] = []
+    for sharded in (True, False):
+        emb = torch.nn.Embedding(10, 3, sparse=True)
+        lin = torch.nn.Linear(4, 1)
+        hand = torch.nn.Parameter(torch.zeros(5))
+        for p in [*emb.parameters(), *lin.parameters()]:
+            p.data.copy_(torch.randn(p.shape, generator=_gen(p.numel())))
+        opts = [
+            dml.DistributedOptimizer(backend, torch.optim.Adam(emb.parameters(), lr=0.1), shard_state=sharded),
+            dml.DistributedOptimizer(backend, make_optimizer("sgd", lin.parameters()), shard_state=sharded),
+            dml.DistributedOptimizer(backend, torch.optim.SGD([hand], lr=1.0), shard_state=sharded),
+        ]
+        x = torch.randn(8, 4, generator=_gen(rank))
+        losses = []
+        for k in range(3):
+            opts[0].zero_grad(set_to_none=k != 1)  # a zeroed buffer once: sparse gradients added into it
+            emb(torch.tensor([rank, 5])).sum().backward()
+            opts[0].step()
+
+            def closure() -> torch.Tensor:
+                opts[1].zero_grad()
+                loss = lin(x).pow(2).mean()
+                loss.backward()
+                return loss
+
+            losses.append(opts[1].step(closure))
+            opts[2].zero_grad()
+            if rank % 2 == 0:
+                hand.grad = torch.full((5,), float(rank + k))  # by hand on even ranks only
+            opts[2].synchronize()
+            opts[2].step()
+        results.append([emb.weight.detach().clone(), lin.weight.detach().clone(), hand.detach().clone(), *losses])
+        frozen = torch.nn.Linear(3, 2).requires_grad_(False)
+        opt = dml.DistributedOptimizer(backend, torch.optim.Adam(frozen.parameters()), shard_state=sharded)
+        opt.zero_grad()
+        opt.step()
+        assert opt.state_dict()["state"] == {}
+    for got, want in zip(*results, strict=True):
+        check_close(backend, got, want, "extras", None)

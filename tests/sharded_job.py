@@ -45,6 +45,7 @@ def main(names: list[str]) -> None:
         "clip": lambda: each(sb.clip_body, 2.0, float("inf")),
         "special": lambda: each(sb.special_parameters_body, "adam", "adagrad"),
         "synchronize": lambda: guarded(sb.synchronize_body, world) or "ok",
+        "extras": lambda: guarded(sb.extras_body, world) or "ok",
     }
 
     def run_check(name: str) -> Any:

@@ -21,6 +21,7 @@ from sharded_bodies import (
     clip_body,
     equivalence_body,
     errors_body,
+    extras_body,
     fixed_case,
     kinds_body,
     load_body,
@@ -103,6 +104,11 @@ def test_synchronize_makes_hyperparameters_equal(world: int) -> None:
     dml.LocalBackend.spawn(world, synchronize_body, timeout=60)
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_sparse_gradients_closures_and_gradients_set_by_hand(world: int) -> None:
+    dml.LocalBackend.spawn(world, extras_body, timeout=60)
+
+
 def test_one_idea_for_users() -> None:
     """shard_state=True gives a ShardedOptimizer (a DistributedOptimizer, a torch Optimizer); False changes nothing."""
     backend = dml.LocalBackend()
@@ -134,7 +140,7 @@ def test_one_idea_for_users() -> None:
 def test_sharded_job_under_mpiexec(ranks: int) -> None:
     job = run_mpi(ranks, ["tests/sharded_job.py"], timeout=300)
     assert job.returncode == 0, job.output[-8000:]
-    checks = "equivalence variants kinds errors bad_input memory clip special synchronize"
+    checks = "equivalence variants kinds errors bad_input memory clip special synchronize extras"
     assert f"SHARDED CHECKS PASSED: {checks} on {ranks} ranks" in job.output, job.output[-8000:]
     for check in checks.split():
         assert job.output.count(f"check {check} passed") == ranks, job.output[-8000:]
