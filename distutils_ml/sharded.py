@@ -43,6 +43,7 @@ from distutils_ml.commthread import comm_thread
 from distutils_ml.objects import allgather_object, digest, exclusive
 from distutils_ml.optimizer import DistributedOptimizer, default_bucket_bytes, default_overlap
 from distutils_ml.reducer import (
+    _RING_DTYPES,
     _by_rank,
     _comm_stream,
     _describe,
@@ -50,6 +51,7 @@ from distutils_ml.reducer import (
     _parameters_difference,
     check_communication_dtype,
 )
+from distutils_ml.tcpring import TcpRing, ring_for
 
 __all__ = ["ShardedOptimizer"]
 
@@ -254,6 +256,7 @@ class ShardedOptimizer(DistributedOptimizer):
         self._round: _Round | None = None
         self._skipped_task = -1
         self._agreed = False
+        self._ring: TcpRing | None = None
         self._hooks: list[Any] = []
         self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
@@ -442,6 +445,7 @@ class ShardedOptimizer(DistributedOptimizer):
                 f"DistributedOptimizer: the ranks are configured differently: {'; '.join(lines)}. {_FIX}, over "
                 "the same parameters in the same order (same shapes, dtypes and device types), on every rank"
             )
+        self._ring = ring_for(backend)
         self._agreed = True
 
     def _changed(self) -> bool:
@@ -583,12 +587,12 @@ class ShardedOptimizer(DistributedOptimizer):
         self._stale = True
         if overlap:
             worker = comm_thread(self._backend)
-            worker.submit(lambda: reduce_scatter(self._backend, head, ReduceOp.SUM))
+            worker.submit(lambda: self._reduce_scatter(head, ReduceOp.SUM))
             worker.wait()
             for event in state.events:  # the next kernels on the autograd stream see the reduced gradients
                 torch.cuda.current_stream().wait_event(event)
         else:
-            reduce_scatter(self._backend, head, ReduceOp.SUM)
+            self._reduce_scatter(head, ReduceOp.SUM)
 
     def _send(self, state: _Round, k: int, *, overlap: bool) -> None:
         bucket = self._buckets[k]
@@ -631,20 +635,47 @@ class ShardedOptimizer(DistributedOptimizer):
         """Reduce-scatter one bucket in place: this rank's piece of the flat gradients becomes the reduced one."""
         grads = bucket.grads
         if self._wire is None or self._wire == grads.dtype:
-            reduce_scatter(self._backend, grads, self.op)
+            self._reduce_scatter(grads, self.op)
             return
         wire = self._scratch_for(self._wire, grads.device, grads.numel()).view(grads.shape)
         wire.copy_(grads)
-        reduce_scatter(self._backend, wire, self.op)
+        self._reduce_scatter(wire, self.op)
         rank = self._backend.rank
         grads[rank].copy_(wire[rank])
+
+    def _reduce_scatter(self, rows: torch.Tensor, op: ReduceOp) -> None:
+        """In place: ``rows[rank]`` becomes the op over ranks of their ``rows[rank]``; the other rows stay.
+
+        Over the TCP ring where the reducer uses it (ranks on several hosts, :mod:`distutils_ml.tcpring`).
+        """
+        ring, rank = self._ring, self._backend.rank
+        if ring is not None and rows.device.type == "cpu" and rows.dtype in _RING_DTYPES:
+            array = rows.numpy()
+            if ring.supports(array, op):
+                mine = self._scratch_for(rows.dtype, rows.device, rows.shape[1]).numpy()
+                ring.reduce_scatter(array, mine, op)
+                array[rank] = mine
+                return
+        reduce_scatter(self._backend, rows, op)
+
+    def _allgather(self, bucket: _Bucket) -> None:
+        """Every rank's piece of ``bucket`` into every rank's flat parameter buffer (over the ring across hosts)."""
+        rows, rank = bucket.values, self._backend.rank
+        if self._ring is not None and rows.device.type == "cpu" and rows.dtype in _RING_DTYPES:
+            array = rows.numpy()
+            if self._ring.supports(array, ReduceOp.SUM):
+                self._ring.allgather(array[rank], array)
+                return
+        piece = self._scratch_for(rows.dtype, rows.device, bucket.piece)
+        piece.copy_(rows[rank])
+        allgather(self._backend, piece, rows)
 
     def _scratch_for(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
         """A reused buffer of at least ``numel`` elements (the largest bucket's, at most)."""
         key = (dtype, device)
         have = self._scratch.get(key)
         if have is None or have.numel() < numel:
-            largest = max(b.grads.numel() for b in self._buckets if b.grads.device == device)
+            largest = max((b.grads.numel() for b in self._buckets if b.grads.device == device), default=0)
             have = self._scratch[key] = torch.empty(max(largest, numel), dtype=dtype, device=device)
         return have[:numel]
 
@@ -796,15 +827,11 @@ class ShardedOptimizer(DistributedOptimizer):
                 pc.tensor.grad = self._params[pc.index].grad
         self._sync_hyper()
         self._inner.step()
-        size = self._backend.size
-        if size == 1:
+        if self._backend.size == 1:
             return
-        rank = self._backend.rank
         with exclusive(self._backend, "DistributedOptimizer.step"):
             for b in self._buckets:
-                piece = self._scratch_for(b.values.dtype, b.values.device, b.piece)
-                piece.copy_(b.values[rank])
-                allgather(self._backend, piece, b.values)
+                self._allgather(b)
 
     def _reduce_loss(self, loss: Any) -> Any:
         if isinstance(loss, torch.Tensor):

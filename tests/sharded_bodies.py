@@ -607,3 +607,18 @@ def extras_body(backend: dml.Backend) -> None:
         assert opt.state_dict()["state"] == {}
     for got, want in zip(*results, strict=True):
         check_close(backend, got, want, "extras", None)
+
+
+def ring_body(backend: dml.Backend) -> bool:
+    """Under ``DML_TRANSPORT=tcp`` the buckets, the header and the allgathers go over the TCP ring, on by default
+    with overlap, and training equals the unsharded optimizer's (whose buckets take the ring too)."""
+    model = Net((6, 20, 3), 2)
+    opt = dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters()), shard_state=True)
+    opt.zero_grad()
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    assert opt._ring is not None and opt.overlap, (opt._ring, opt.overlap)
+    for kind in ("sgd", "adam"):
+        equivalence_body(backend, fixed_case(kind, overlap=True, micro=1))
+        equivalence_body(backend, fixed_case(kind, wire="bfloat16", unused="all"))  # halves: over MPI
+    return True

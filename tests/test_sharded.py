@@ -147,6 +147,12 @@ def test_sharded_job_under_mpiexec(ranks: int) -> None:
 
 
 @requires_mpi
+def test_sharded_job_over_the_tcp_ring() -> None:
+    job = run_mpi(3, ["tests/sharded_job.py", "ring", "errors"], timeout=120, envs=[{"DML_TRANSPORT": "tcp"}] * 3)
+    assert job.returncode == 0 and "SHARDED CHECKS PASSED: ring errors on 3 ranks" in job.output, job.output[-8000:]
+
+
+@requires_mpi
 def test_checkpoint_of_3_mpi_ranks_resumes_on_2(tmp_path: object) -> None:
     path, out = str(tmp_path / "at3.pt"), str(tmp_path / "at2.pt")  # type: ignore[operator]
     saved = run_mpi(3, ["tests/sharded_job.py", f"save={path}"], timeout=120)
