@@ -235,7 +235,7 @@ class ShardedOptimizer(DistributedOptimizer):
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer: already a DistributedOptimizer; wrap the plain optimizer once")
         check_shardable(optimizer)
-        self.op = resolve_op(op)
+        self._op = resolve_op(op)
         self._wire = check_communication_dtype(communication_dtype)
         self._bucket_bytes = default_bucket_bytes(backend, bucket_bytes)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
@@ -421,7 +421,7 @@ class ShardedOptimizer(DistributedOptimizer):
         return self._overlap
 
     def __repr__(self) -> str:
-        return f"ShardedOptimizer(op={self.op!r}, optimizer={self.optimizer!r})"
+        return f"ShardedOptimizer(op={self._op!r}, optimizer={self.optimizer!r})"
 
     # -- agreement ---------------------------------------------------------------------------
 
@@ -429,7 +429,7 @@ class ShardedOptimizer(DistributedOptimizer):
         """Raise ``ValueError`` on every rank unless every rank shards alike (one small allgather)."""
         backend, params = self._backend, self._params
         shapes = [f"{tuple(p.shape)} {p.dtype} {p.device.type}" for p in params]
-        op = f"{self.op!r} with shard_state=True"
+        op = f"{self._op!r} with shard_state=True"
         settings = (op, repr(self._wire), repr(self._bucket_bytes), repr(shapes))
         mine = np.array([digest(s) for s in settings], dtype=np.int64)
         every = np.empty((backend.size, mine.size), dtype=np.int64)
@@ -635,11 +635,11 @@ class ShardedOptimizer(DistributedOptimizer):
         """Reduce-scatter one bucket in place: this rank's piece of the flat gradients becomes the reduced one."""
         grads = bucket.grads
         if self._wire is None or self._wire == grads.dtype:
-            self._reduce_scatter(grads, self.op)
+            self._reduce_scatter(grads, self._op)
             return
         wire = self._scratch_for(self._wire, grads.device, grads.numel()).view(grads.shape)
         wire.copy_(grads)
-        self._reduce_scatter(wire, self.op)
+        self._reduce_scatter(wire, self._op)
         rank = self._backend.rank
         grads[rank].copy_(wire[rank])
 
@@ -836,8 +836,8 @@ class ShardedOptimizer(DistributedOptimizer):
     def _reduce_loss(self, loss: Any) -> Any:
         if isinstance(loss, torch.Tensor):
             value = loss.detach().clone() if loss.dtype.is_floating_point else loss.detach().double()
-            return allreduce(self._backend, value, self.op)
-        return float(allreduce(self._backend, np.array(float(loss)), self.op))
+            return allreduce(self._backend, value, self._op)
+        return float(allreduce(self._backend, np.array(float(loss)), self._op))
 
     # -- clipping ------------------------------------------------------------------------------
 
