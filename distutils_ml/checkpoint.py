@@ -99,6 +99,23 @@ def _state_of(obj: Any) -> Any:
     return obj
 
 
+def _collective_states(obj: Any) -> Any:
+    """``obj`` with every sharded optimizer replaced by its ``state_dict()``, on every rank (a collective).
+
+    A ``dml.ShardedOptimizer`` consolidates its state from every rank's shard, so every rank
+    must ask for it, in the same order: the same walk on every rank, before rank 0 writes.
+    """
+    from distutils_ml.sharded import ShardedOptimizer
+
+    if isinstance(obj, ShardedOptimizer):
+        return obj.state_dict()
+    if type(obj) in (dict, OrderedDict):
+        return type(obj)((k, _collective_states(v)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(_collective_states(v) for v in obj)
+    return obj
+
+
 def _leftover_temporaries(path: str) -> list[str]:
     """Temporary files of saves to ``path``: live writers' and those of saves cut short (a killed job)."""
     directory, name = os.path.split(os.path.abspath(path))
@@ -349,6 +366,7 @@ def save(backend: Backend, obj: Any, path: str | os.PathLike[str]) -> None:
     """
     check_backend(backend, "save")
     path = _check_path(path, "save")
+    obj = _collective_states(obj)  # sharded optimizers: every rank takes part in consolidating their state
     # Rank 0 writes inside the collective: the others wait in it, not before it (no stall report).
     what = f"save: could not write the checkpoint {path!r}"
     run_on_root(backend, lambda: _write_atomic(_state_of(obj), path), what=what)

@@ -67,6 +67,30 @@ def test_checkpoint_saved_at_3_resumes_at_2_and_1(tmp_path: object, saver: bool,
             checkpoints_equal(resumed, uninterrupted)
 
 
+def _save_live_optimizer(backend: dml.Backend, path: str) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    opt = dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters(), lr=0.1), shard_state=True)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 6, generator=torch.Generator().manual_seed(backend.rank))).pow(2).mean().backward()
+        opt.step()
+    dml.save(backend, {"opt": opt}, path)  # the optimizer itself: dml.save asks every rank for its state
+    return opt.state_dict()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_dml_save_of_the_sharded_optimizer_itself_writes_its_full_state(tmp_path: object, world: int) -> None:
+    path = str(tmp_path / "opt.pt")  # type: ignore[operator]
+    full = dml.LocalBackend.spawn(world, _save_live_optimizer, path, timeout=60)[0]
+    saved = dml.LocalBackend.spawn(1, lambda b: dml.load(b, path), timeout=60)[0]["opt"]
+    assert saved["param_groups"] == full["param_groups"]
+    assert sorted(saved["state"]) == sorted(full["state"]) == [0, 1]
+    for i, entries in full["state"].items():
+        for k, v in entries.items():
+            assert torch.equal(saved["state"][i][k], v), (i, k)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_errors_are_raised_on_every_rank(world: int, overlap: bool) -> None:
