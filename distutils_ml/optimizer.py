@@ -230,6 +230,22 @@ def reduce_gradients_in_backward(
     return BackwardReduction(backend, reducer)
 
 
+def check_wrapped(optimizer: Any, backward_passes_per_step: Any, example: str) -> None:
+    """The checks of ``DistributedOptimizer``'s arguments common to its sharded form: raise before anything moves."""
+    if (
+        isinstance(backward_passes_per_step, bool)
+        or not isinstance(backward_passes_per_step, int)
+        or backward_passes_per_step < 1
+    ):
+        raise ValueError(f"backward_passes_per_step: got {backward_passes_per_step!r}; allowed: an int >= 1")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer: got {type(optimizer).__qualname__}; allowed: a torch.optim.Optimizer, e.g. {example}"
+        )
+    if isinstance(optimizer, DistributedOptimizer):
+        raise TypeError("optimizer: already a DistributedOptimizer; wrap the plain optimizer once")
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer: gradients are reduced across ranks during ``backward()``, then ``step()`` steps.
 
@@ -309,19 +325,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"shard_state=True: {type(self).__qualname__} subclasses DistributedOptimizer, which shards only as "
                 "itself; subclass dml.ShardedOptimizer instead"
             )
-        if (
-            isinstance(backward_passes_per_step, bool)
-            or not isinstance(backward_passes_per_step, int)
-            or backward_passes_per_step < 1
-        ):
-            raise ValueError(f"backward_passes_per_step: got {backward_passes_per_step!r}; allowed: an int >= 1")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer: got {type(optimizer).__qualname__}; allowed: a torch.optim.Optimizer, "
-                "e.g. dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1))"
-            )
-        if isinstance(optimizer, DistributedOptimizer):
-            raise TypeError("optimizer: already a DistributedOptimizer; wrap the plain optimizer once")
+        check_wrapped(
+            optimizer,
+            backward_passes_per_step,
+            "dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1))",
+        )
         if isinstance(optimizer, torch.optim.SparseAdam):
             raise TypeError(
                 "optimizer: got torch.optim.SparseAdam, which needs sparse gradients; DistributedOptimizer reduces "

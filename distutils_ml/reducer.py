@@ -230,30 +230,10 @@ class GradientReducer:
                 self._bucket_of[i] = k
         self._index = {id(p): i for i, p in enumerate(params)}
 
-    def _settings(self, params: list[torch.Tensor]) -> tuple[str, ...]:
-        shapes = [f"{tuple(p.shape)} {p.dtype} {p.device.type}" for p in params]
-        return repr(self.op), repr(self.comm_dtype), repr(self.bucket_bytes), repr(shapes)
-
     def _agree(self, backend: Backend, params: list[torch.Tensor]) -> None:
         """Raise ``ValueError`` on every rank unless every rank has the same configuration."""
-        settings = self._settings(params)
-        mine = np.array([digest(s) for s in settings], dtype=np.int64)
-        every = np.empty((backend.size, mine.size), dtype=np.int64)
-        allgather(backend, mine, every)
-        if (every == every[0]).all():
-            return
-        values = allgather_object(
-            backend, (self.op, self.comm_dtype, self.bucket_bytes, _describe(params, self._labels()))
-        )
-        lines = []
-        for k, name in enumerate(_SETTINGS):
-            if (every[:, k] != every[0, k]).any():
-                column = [v[k] for v in values]
-                lines.append(_parameters_difference(column) if name == "parameters" else _by_rank(name, column))
-        raise ValueError(
-            f"{self.caller}: the ranks are configured differently: {'; '.join(lines)}. {self._fix}, over the "
-            "same parameters in the same order (same shapes, dtypes and device types), on every rank"
-        )
+        settings = (self.op, self.comm_dtype, self.bucket_bytes)
+        agree_on_settings(backend, self.caller, self._fix, settings, params=params, labels=self._labels)
 
     # -- reduce now ------------------------------------------------------------------------
 
@@ -545,6 +525,35 @@ def _reduce(backend: Backend, ring: TcpRing | None, tensor: torch.Tensor, op: Re
 
 _RING_DTYPES = (torch.float32, torch.float64)
 _STREAMS: dict[Any, Any] = {}
+
+
+def agree_on_settings(
+    backend: Backend,
+    caller: str,
+    fix: str,
+    settings: tuple[Any, Any, Any],
+    *,
+    params: list[torch.Tensor],
+    labels: Callable[[], list[str]],
+) -> None:
+    """Raise ``ValueError`` on every rank unless every rank has the same ``settings`` (op, communication
+    dtype, bucket bytes) and parameters (shapes, dtypes, device types): one small allgather when they agree."""
+    shapes = [f"{tuple(p.shape)} {p.dtype} {p.device.type}" for p in params]
+    mine = np.array([digest(repr(v)) for v in (*settings, shapes)], dtype=np.int64)
+    every = np.empty((backend.size, mine.size), dtype=np.int64)
+    allgather(backend, mine, every)
+    if (every == every[0]).all():
+        return
+    values = allgather_object(backend, (*settings, _describe(params, labels())))
+    lines = []
+    for k, name in enumerate(_SETTINGS):
+        if (every[:, k] != every[0, k]).any():
+            column = [v[k] for v in values]
+            lines.append(_parameters_difference(column) if name == "parameters" else _by_rank(name, column))
+    raise ValueError(
+        f"{caller}: the ranks are configured differently: {'; '.join(lines)}. {fix}, over the "
+        "same parameters in the same order (same shapes, dtypes and device types), on every rank"
+    )
 
 
 def _comm_stream(device: torch.device) -> Any:

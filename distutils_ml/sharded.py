@@ -40,15 +40,13 @@ import torch
 from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
 from distutils_ml.collectives import allgather, allreduce, reduce_scatter
 from distutils_ml.commthread import comm_thread
-from distutils_ml.objects import allgather_object, digest, exclusive
-from distutils_ml.optimizer import DistributedOptimizer, default_bucket_bytes, default_overlap
+from distutils_ml.objects import allgather_object, exclusive
+from distutils_ml.optimizer import DistributedOptimizer, check_wrapped, default_bucket_bytes, default_overlap
 from distutils_ml.reducer import (
     _RING_DTYPES,
-    _by_rank,
     _comm_stream,
-    _describe,
     _is_slice,
-    _parameters_difference,
+    agree_on_settings,
     check_communication_dtype,
 )
 from distutils_ml.tcpring import TcpRing, ring_for
@@ -76,7 +74,6 @@ _WHOLE_TENSOR = {
     "Adafactor": "whose factored second moments are the row and column means of each matrix",
     "Muon": "which orthogonalizes each parameter matrix whole",
 }
-_SETTINGS = ("op", "communication_dtype", "bucket_bytes", "parameters")
 # Each parameter starts on a 64-byte boundary of its flat buffer, as torch's allocator places tensors: CPU
 # kernels (BLAS) may round differently on data at other offsets.
 _ALIGN_BYTES = 64
@@ -221,19 +218,11 @@ class ShardedOptimizer(DistributedOptimizer):
                 f"shard_state: got {shard_state!r}; ShardedOptimizer always shards (use dml.DistributedOptimizer "
                 "for shard_state=False)"
             )
-        if (
-            isinstance(backward_passes_per_step, bool)
-            or not isinstance(backward_passes_per_step, int)
-            or backward_passes_per_step < 1
-        ):
-            raise ValueError(f"backward_passes_per_step: got {backward_passes_per_step!r}; allowed: an int >= 1")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer: got {type(optimizer).__qualname__}; allowed: a torch.optim.Optimizer, e.g. "
-                "dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters()), shard_state=True)"
-            )
-        if isinstance(optimizer, DistributedOptimizer):
-            raise TypeError("optimizer: already a DistributedOptimizer; wrap the plain optimizer once")
+        check_wrapped(
+            optimizer,
+            backward_passes_per_step,
+            "dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters()), shard_state=True)",
+        )
         check_shardable(optimizer)
         self._op = resolve_op(op)
         self._wire = check_communication_dtype(communication_dtype)
@@ -427,24 +416,11 @@ class ShardedOptimizer(DistributedOptimizer):
 
     def _agree(self) -> None:
         """Raise ``ValueError`` on every rank unless every rank shards alike (one small allgather)."""
-        backend, params = self._backend, self._params
-        shapes = [f"{tuple(p.shape)} {p.dtype} {p.device.type}" for p in params]
-        op = f"{self._op!r} with shard_state=True"
-        settings = (op, repr(self._wire), repr(self._bucket_bytes), repr(shapes))
-        mine = np.array([digest(s) for s in settings], dtype=np.int64)
-        every = np.empty((backend.size, mine.size), dtype=np.int64)
-        allgather(backend, mine, every)
-        if not (every == every[0]).all():
-            values = allgather_object(backend, (op, self._wire, self._bucket_bytes, _describe(params, self._names)))
-            lines = []
-            for k, name in enumerate(_SETTINGS):
-                if (every[:, k] != every[0, k]).any():
-                    column = [v[k] for v in values]
-                    lines.append(_parameters_difference(column) if name == "parameters" else _by_rank(name, column))
-            raise ValueError(
-                f"DistributedOptimizer: the ranks are configured differently: {'; '.join(lines)}. {_FIX}, over "
-                "the same parameters in the same order (same shapes, dtypes and device types), on every rank"
-            )
+        backend = self._backend
+        settings = (f"{self._op!r} with shard_state=True", self._wire, self._bucket_bytes)
+        agree_on_settings(
+            backend, "DistributedOptimizer", _FIX, settings, params=self._params, labels=lambda: self._names
+        )
         self._ring = ring_for(backend)
         self._agreed = True
 
@@ -652,9 +628,7 @@ class ShardedOptimizer(DistributedOptimizer):
         if ring is not None and rows.device.type == "cpu" and rows.dtype in _RING_DTYPES:
             array = rows.numpy()
             if ring.supports(array, op):
-                mine = self._scratch_for(rows.dtype, rows.device, rows.shape[1]).numpy()
-                ring.reduce_scatter(array, mine, op)
-                array[rank] = mine
+                ring.reduce_scatter(array, array[rank], op)  # in place: the other rows stay
                 return
         reduce_scatter(self._backend, rows, op)
 

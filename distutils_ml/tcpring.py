@@ -100,7 +100,11 @@ class TcpRing:
             self._allgather(chunks)
 
     def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp) -> None:
-        """``recvbuf`` = the op over ranks of every rank's ``sendbuf[rank]`` (sendbuf: (W, n), left unchanged)."""
+        """``recvbuf`` = the op over ranks of every rank's ``sendbuf[rank]`` (sendbuf: (W, n), left unchanged).
+
+        ``recvbuf`` may be ``sendbuf[rank]`` itself: that row is read only in the last step, element by element
+        into the same element, and the other rows stay unchanged.
+        """
         if self.size == 1:
             np.copyto(recvbuf, sendbuf[0])
             return
@@ -116,7 +120,7 @@ class TcpRing:
         """``recvbuf[k]`` = rank k's ``sendbuf`` (recvbuf: (W, n); sendbuf may be ``recvbuf[rank]`` itself)."""
         rows = list(recvbuf.reshape(self.size, -1))
         mine = sendbuf.reshape(-1)
-        if not np.shares_memory(mine, rows[self.rank]) or mine.ctypes.data != rows[self.rank].ctypes.data:
+        if mine.ctypes.data != rows[self.rank].ctypes.data:
             np.copyto(rows[self.rank], mine)
         if self.size == 1 or mine.size == 0:
             return

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from typing import Any
@@ -392,9 +393,22 @@ def bad_input_body(backend: dml.Backend, culprit: int) -> int:
     Were a bad call to send anything before raising, the good allreduce that follows
     would mismatch it and fail (or hang, which the runner's timeout turns into a failure).
     """
+    size = dml.total_workers(backend)
+
+    def good(name: str) -> None:
+        buf = np.full(3, float(dml.local_rank(backend) + 1))
+        dml.allreduce(backend, buf, dml.SUM)
+        assert (buf == size * (size + 1) / 2).all(), f"after {name}: {buf}"
+
+    return raise_alone(backend, culprit, bad_calls(backend), good)
+
+
+def raise_alone(backend: dml.Backend, culprit: int, calls: list[Any], good: Callable[[str], None]) -> int:
+    """Each ``(name, exception type, message fragment, call)`` of ``calls`` raises on rank ``culprit`` alone;
+    after each one every rank runs ``good(name)``, a collective that checks its result. Returns how many."""
     rank, size = dml.local_rank(backend), dml.total_workers(backend)
     checked = 0
-    for name, exc_type, fragment, call in bad_calls(backend):
+    for name, exc_type, fragment, call in calls:
         if rank == culprit % size:
             try:
                 call()
@@ -402,9 +416,7 @@ def bad_input_body(backend: dml.Backend, culprit: int) -> int:
                 assert fragment in str(e), f"{name}: message {str(e)!r} lacks {fragment!r}"
             else:
                 raise AssertionError(f"{name}: no {exc_type.__name__} raised")
-        buf = np.full(3, float(rank + 1))
-        dml.allreduce(backend, buf, dml.SUM)
-        assert (buf == size * (size + 1) / 2).all(), f"after {name}: {buf}"
+        good(name)
         checked += 1
     return checked
 

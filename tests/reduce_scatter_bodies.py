@@ -19,7 +19,7 @@ import torch
 import distutils_ml as dml
 from distutils_ml.backends.base import resolve_op
 
-from bodies import Case, as_float64, assert_reduced, assert_same, make, matrix_cases, sendbuf, values
+from bodies import Case, as_float64, assert_reduced, assert_same, make, matrix_cases, raise_alone, sendbuf, values
 
 #: The matrix of reduce_scatter: every (op, dtype) allreduce allows x in place / two buffers / strided
 #: sendbuf x the row shapes (), (2, 0, 3), (3, 7), with kinds and spellings rotating (bodies.matrix_cases).
@@ -191,21 +191,14 @@ def bad_input_body(backend: dml.Backend, culprit: int) -> int:
     Were a bad call to send anything before raising, the good call that follows would
     mismatch it and fail (or hang, which the runner's timeout turns into a failure).
     """
-    rank, size = dml.local_rank(backend), dml.total_workers(backend)
-    checked = 0
-    for name, exc_type, fragment, call in bad_calls(backend):
-        if rank == culprit % size:
-            try:
-                call()
-            except exc_type as e:
-                assert fragment in str(e), f"{name}: message {str(e)!r} lacks {fragment!r}"
-            else:
-                raise AssertionError(f"{name}: no {exc_type.__name__} raised")
-        buf = np.full((size, 3), float(rank + 1))
+    size = dml.total_workers(backend)
+
+    def good(name: str) -> None:
+        buf = np.full((size, 3), float(dml.local_rank(backend) + 1))
         out = dml.reduce_scatter(backend, buf, dml.SUM)
         assert (out == size * (size + 1) / 2).all(), f"after {name}: {out}"
-        checked += 1
-    return checked
+
+    return raise_alone(backend, culprit, bad_calls(backend), good)
 
 
 # -- mismatched collectives (debug mode) ------------------------------------------------------
