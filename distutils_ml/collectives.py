@@ -421,10 +421,22 @@ def _on_device(  # noqa: PLR0917 - private; mirrors the public collectives' argu
     import cupy  # a CUDA array that is not a tensor: CuPy's (or another library's) array
 
     device = torch.device("cuda", out.device.id)  # the array's GPU, not merely the current one
-    ptr = cupy.cuda.get_current_stream().ptr
+    with cupy.cuda.Device(out.device.id):  # CuPy's current stream of that GPU (each GPU has its own)
+        ptr = cupy.cuda.get_current_stream().ptr
     stream = torch.cuda.default_stream(device) if ptr == 0 else torch.cuda.ExternalStream(ptr, device=device)
     with torch.cuda.stream(stream):
         return _on_stream(kind, backend, sendbuf, recvbuf, op, root)
+
+
+def check_device(backend: Backend, buf: Any, name: str) -> None:
+    """Raise ``ValueError`` unless CUDA tensor ``buf`` is on the GPU that ``backend``'s device path is bound to."""
+    index = buf.device.index
+    if backend.device is not None and index != backend.device:
+        raise ValueError(
+            f"{name}: a buffer on cuda:{index}, but {type(backend).__name__}'s communicator on rank "
+            f"{backend.rank} is on cuda:{backend.device}; move the buffer there (.to('cuda:{backend.device}')) "
+            f"or make that device current before creating it (torch.cuda.set_device({backend.device}))"
+        )
 
 
 def _on_stream(  # noqa: PLR0917 - private; mirrors the public collectives' arguments
@@ -461,6 +473,7 @@ def _on_stream(  # noqa: PLR0917 - private; mirrors the public collectives' argu
         check_op_dtype(op, torch_dtype_name(recv), "buf" if send is None else "sendbuf")
     result = out[backend.rank, ...] if kind == "reduce_scatter" and send is None else out
     if backend.takes_device_buffers:
+        check_device(backend, recv, rname)
         if backend.debug:
             shape = tuple((send if kind in ("allgather", "reduce_scatter") and send is not None else recv).shape)
             backend._check_call(kind, shape, torch_dtype_name(recv), op, root if kind in ("bcast", "reduce") else -1)

@@ -6,6 +6,10 @@ the order they were submitted. A collective any other thread starts while jobs a
 queued or running first waits for them (:meth:`Backend._enter`), so the messages of
 the thread and of the caller leave in the order the caller's program made them, the
 same on every rank, and never interleave.
+
+A job runs on the CUDA device that was current where it was submitted: a new thread starts
+on device 0, where a rank driving another GPU would otherwise make a CUDA context of its own
+and launch work.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from distutils_ml.backends.base import Backend
 
@@ -28,7 +34,7 @@ class CommThread:
 
     def __init__(self, backend: Backend) -> None:
         self._backend = weakref.ref(backend)
-        self._jobs: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], int | None] | None] = queue.SimpleQueue()
         self._done = threading.Condition()
         self._errors: list[BaseException] = []
         self._thread = threading.Thread(target=self._run, name=f"dml-comm-{backend.rank}", daemon=True)
@@ -36,13 +42,13 @@ class CommThread:
         self.ident = self._thread.ident
 
     def submit(self, job: Callable[[], Any]) -> None:
-        """Queue ``job`` (no arguments); it runs after every job submitted before it."""
+        """Queue ``job`` (no arguments); it runs after every job submitted before it, on this thread's CUDA device."""
         backend = self._backend()
         if backend is None:  # pragma: no cover - the backend owns this thread
             raise RuntimeError("the backend of this communication thread is gone")
         with self._done:
             backend._comm_pending += 1
-        self._jobs.put(job)
+        self._jobs.put((job, current_cuda_device()))
 
     def wait(self, *, errors: bool = True) -> None:
         """Return once every submitted job has run; re-raise the first error one of them raised (``errors``)."""
@@ -58,9 +64,10 @@ class CommThread:
 
     def _run(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
+            item = self._jobs.get()
+            if item is None:
                 return
+            job, device = item
             backend = self._backend()
             try:
                 if backend is None:
@@ -68,7 +75,11 @@ class CommThread:
                 with backend._entry:  # blocking: a caller's collective in flight finishes first
                     backend._comm_holds = True
                     try:
-                        job()
+                        if device is None:
+                            job()
+                        else:
+                            with torch.cuda.device(device):
+                                job()
                     finally:
                         backend._comm_holds = False
             except BaseException as e:
@@ -84,6 +95,11 @@ class CommThread:
     def close(self) -> None:
         """Stop the thread after the jobs already queued."""
         self._jobs.put(None)
+
+
+def current_cuda_device() -> int | None:
+    """The calling thread's current CUDA device, or None where CUDA was never initialized in this process."""
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
 
 def comm_thread(backend: Backend) -> CommThread:

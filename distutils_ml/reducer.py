@@ -92,7 +92,7 @@ class _Round:
     ready: int = 0
     sent: int = 0
     changed: bool = False
-    events: list[Any] = field(default_factory=list)
+    events: list[tuple[torch.device, Any]] = field(default_factory=list)  # (device, CUDA event) per bucket
 
 
 class GradientReducer:
@@ -368,8 +368,8 @@ class GradientReducer:
             self._send(backend, state, state.sent, overlap=overlap)
         if overlap:
             comm_thread(backend).wait()
-            for event in state.events:  # the next kernels on the autograd stream see the reduced gradients
-                torch.cuda.current_stream().wait_event(event)
+            for device, event in state.events:  # the next kernels on the autograd stream see the reduced gradients
+                torch.cuda.current_stream(device).wait_event(event)
 
     def _send(self, backend: Backend, state: _Round, k: int, *, overlap: bool) -> None:
         bucket = self._buckets[k]
@@ -415,7 +415,7 @@ class GradientReducer:
         ready.record(torch.cuda.current_stream(tensor.device))
         stream = _comm_stream(tensor.device)
         done = torch.cuda.Event()
-        state.events.append(done)
+        state.events.append((tensor.device, done))
 
         def run() -> None:
             with torch.cuda.stream(stream):

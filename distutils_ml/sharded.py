@@ -147,7 +147,7 @@ class _Round:
     ready: int = 0
     sent: int = 0
     changed: bool = False
-    events: list[Any] = field(default_factory=list)
+    events: list[tuple[torch.device, Any]] = field(default_factory=list)  # (device, CUDA event) per bucket
 
 
 class ShardedOptimizer(DistributedOptimizer):
@@ -565,8 +565,8 @@ class ShardedOptimizer(DistributedOptimizer):
             worker = comm_thread(self._backend)
             worker.submit(lambda: self._reduce_scatter(head, ReduceOp.SUM))
             worker.wait()
-            for event in state.events:  # the next kernels on the autograd stream see the reduced gradients
-                torch.cuda.current_stream().wait_event(event)
+            for device, event in state.events:  # the next kernels on the autograd stream see the reduced gradients
+                torch.cuda.current_stream(device).wait_event(event)
         else:
             self._reduce_scatter(head, ReduceOp.SUM)
 
@@ -597,7 +597,7 @@ class ShardedOptimizer(DistributedOptimizer):
         ready.record(torch.cuda.current_stream(device))
         stream = _comm_stream(device)
         done = torch.cuda.Event()
-        state.events.append(done)
+        state.events.append((device, done))
 
         def run() -> None:
             with torch.cuda.stream(stream):

@@ -7,11 +7,14 @@ Only the CPU-checkable parts (clear errors) run everywhere.
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import distutils_ml as dml
+from distutils_ml.backends.nccl import choose_devices, shared_gpus
+from distutils_ml.collectives import check_device
 
 from mpirun import requires_mpi, run_mpi
 
@@ -66,22 +69,103 @@ def test_nccl_backend(ranks: int) -> None:
     assert job.returncode == 0 and "GPU CHECKS PASSED" in job.output, job.output[-6000:]
 
 
-def test_device_choice_errors_are_clear_before_any_gpu_work() -> None:
-    from distutils_ml.backends.nccl import _pick_device
+def test_device_choice_by_node_local_rank_where_a_node_sees_the_same_gpus() -> None:
+    gpus = ["GPU-a", "GPU-b"]
+    hosts = ["n0", "n0", "n1", "n1"]
+    assert choose_devices(None, [gpus] * 4, hosts, [0, 1, 0, 1]) == [0, 1, 0, 1]
+    assert choose_devices([1, 0], [gpus] * 4, hosts, [0, 1, 0, 1]) == [1, 0, 1, 0]
+    # more ranks than GPUs: node_local_rank % n, which shared_gpus then names
+    chosen = choose_devices(None, [["GPU-a"]] * 3, ["n0"] * 3, [0, 1, 2])
+    assert chosen == [0, 0, 0]
+    message = shared_gpus(["GPU-a"] * 3, ["n0"] * 3)
+    assert message is not None and "ranks [0, 1, 2] on n0 would drive the same GPU (GPU-a)" in message
+    assert "3 processes but 1 GPU(s)" in message and "DML_NCCL_SHARE_DEVICE=1" in message
 
-    assert _pick_device(False, 0, 1, 0) is None  # leave devices alone
+
+def test_one_visible_gpu_per_rank_is_accepted() -> None:
+    # SLURM --gpus-per-task=1, or CUDA_VISIBLE_DEVICES per rank: each rank sees "device 0", a different GPU.
+    visible = [["GPU-a"], ["GPU-b"], ["GPU-c"]]
+    chosen = choose_devices(None, visible, ["n0"] * 3, [0, 1, 2])
+    assert chosen == [0, 0, 0]
+    assert shared_gpus([visible[r][0] for r in range(3)], ["n0"] * 3) is None
+    # overlapping sets on a node: each rank takes the first GPU no lower rank of its node took
+    visible = [["GPU-a", "GPU-b"], ["GPU-a", "GPU-b", "GPU-c"], ["GPU-x", "GPU-y"]]
+    chosen = choose_devices(None, visible, ["n0", "n0", "n1"], [0, 1, 0])
+    assert chosen == [0, 1, 0]
+    assert shared_gpus(["GPU-a", "GPU-b", "GPU-x"], ["n0", "n0", "n1"]) is None
+
+
+def test_device_choice_errors_name_the_rank() -> None:
+    chosen = choose_devices([0], [["GPU-a", "GPU-b"]] * 2, ["n0"] * 2, [0, 1])
+    assert chosen[0] == 0 and isinstance(chosen[1], str) and "one device per process" in chosen[1]
+    chosen = choose_devices([0, 5], [["GPU-a", "GPU-b"]] * 2, ["n0"] * 2, [0, 1])
+    assert isinstance(chosen[1], str) and "this node has 0..1" in chosen[1]
+    assert choose_devices(None, [["GPU-a"], []], ["n0"] * 2, [0, 1])[1] == "no GPU"
+
+
+def test_share_device_option() -> None:
+    from distutils_ml.backends.nccl import _share_option
+
+    assert _share_option(True) is True and _share_option(False) is False
+    with pytest.raises(TypeError, match="share_device: got 'yes'"):
+        _share_option("yes")  # type: ignore[arg-type]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DML_NCCL_SHARE_DEVICE", "1")
+        assert _share_option(None) is True
+        mp.setenv("DML_NCCL_SHARE_DEVICE", "maybe")
+        with pytest.raises(ValueError, match="DML_NCCL_SHARE_DEVICE: got 'maybe'"):
+            _share_option(None)
+        mp.delenv("DML_NCCL_SHARE_DEVICE")
+        assert _share_option(None) is False
+
+
+def test_cuda_devices_type_is_checked_before_any_gpu_work() -> None:
     with pytest.raises(TypeError, match="cuda_devices: got '0'"):
-        _pick_device("0", 0, 1, 0)
-    if torch.version.cuda is None:
-        with pytest.raises(RuntimeError, match="CPU-only build"):
-            _pick_device(None, 0, 1, 0)
-    elif not HAVE_GPU:
-        with pytest.raises(RuntimeError, match="sees no CUDA device"):
-            _pick_device(None, 0, 1, 0)
-    else:
-        n = torch.cuda.device_count()
-        assert _pick_device(None, n - 1, n, 0) == n - 1
-        with pytest.raises(RuntimeError, match="one GPU per process"):
-            _pick_device(None, 0, n + 1, 0)
-        with pytest.raises(ValueError, match="one device per process"):
-            _pick_device([0], 1, 2, 1)
+        dml.NCCLBackend(cuda_devices="0")
+
+
+def test_a_buffer_on_another_gpu_than_the_communicator_is_refused() -> None:
+    class Bound(dml.LocalBackend):
+        device = 1
+
+    buf = SimpleNamespace(device=torch.device("cuda", 0))
+    with pytest.raises(
+        ValueError, match=r"recvbuf: a buffer on cuda:0, but Bound's communicator on rank 0 is on cuda:1"
+    ):
+        check_device(Bound(), buf, "recvbuf")
+    check_device(Bound(), SimpleNamespace(device=torch.device("cuda", 1)), "buf")
+    check_device(dml.LocalBackend(), buf, "buf")  # device None: any GPU
+
+
+def test_simulated_ranks_run_backward_on_their_own_thread() -> None:
+    # CUDA backward passes would otherwise share autograd's device thread, and the end-of-backward
+    # reduction of one simulated rank would block the others' (examples/quickstart.py --device cuda hung).
+    assert torch._C._is_multithreading_enabled()
+    assert dml.LocalBackend.spawn(2, lambda b: torch._C._is_multithreading_enabled()) == [False, False]
+
+
+def test_jobs_of_the_communication_thread_run_on_the_submitters_device() -> None:
+    from distutils_ml.commthread import comm_thread, current_cuda_device
+
+    def run(b: dml.Backend) -> list[int | None]:
+        seen: list[int | None] = []
+        worker = comm_thread(b)
+        worker.submit(lambda: seen.append(current_cuda_device()))
+        worker.wait()
+        return seen
+
+    want = current_cuda_device()  # None without CUDA; the device where CUDA is initialized
+    assert dml.LocalBackend.spawn(2, run) == [[want], [want]]
+
+
+@needs_gpu
+def test_gpu_jobs_follow_the_device_of_the_submitting_thread() -> None:
+    from distutils_ml.commthread import comm_thread
+
+    last = torch.cuda.device_count() - 1
+    seen: list[int] = []
+    backend = dml.LocalBackend()
+    with torch.cuda.device(last):
+        comm_thread(backend).submit(lambda: seen.append(torch.cuda.current_device()))
+    comm_thread(backend).wait()
+    assert seen == [last]

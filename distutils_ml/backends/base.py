@@ -93,6 +93,9 @@ class Backend(abc.ABC):
     native_avg: bool = False
     #: Debug mode: the public functions call ``_check_call`` before every collective.
     debug: bool = False
+    #: The CUDA device index whose buffers ``_device_collective`` takes (NCCL's communicator is bound
+    #: to one GPU); None: buffers on any GPU.
+    device: int | None = None
 
     def __init__(self) -> None:
         # Held by the thread inside a public collective (re-entrant: composite calls nest).

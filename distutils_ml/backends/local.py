@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
 import numpy as np
+import torch
 
 from distutils_ml.backends.base import Backend, ReduceOp
 from distutils_ml.watchdog import (
@@ -214,7 +215,9 @@ class LocalBackend(Backend):
         """Run ``fn(backend, *args)`` on ``world_size`` simulated ranks; return results in rank order.
 
         Each rank runs on its own thread with its own ``LocalBackend``; inside that
-        thread ``dml.get_distributed_backend(dml.LocalBackend)`` returns it too. If any
+        thread ``dml.get_distributed_backend(dml.LocalBackend)`` returns it too, and
+        ``backward()`` runs entirely on that thread, CUDA graphs included
+        (``torch.autograd.set_multithreading_enabled(False)``). If any
         rank raises, the ranks waiting in a collective are released at once and the
         first exception is re-raised here (ranks busy outside a collective get one
         second to finish; after that they are left behind as daemon threads, and fail
@@ -260,7 +263,11 @@ class LocalBackend(Backend):
             backend = LocalBackend(_world=world, _rank=rank)
             _current.backend = backend
             try:
-                results[rank] = fn(backend, *args)
+                # CUDA backward passes run on the calling thread, not on autograd's one thread per device,
+                # which the simulated ranks would share: a rank's end-of-backward reduction, waiting there for
+                # the other ranks, would block their backward passes behind it (a deadlock).
+                with torch.autograd.set_multithreading_enabled(False):
+                    results[rank] = fn(backend, *args)
             except BaseException as exc:
                 world.fail(rank, exc)
             else:
