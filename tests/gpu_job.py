@@ -2,19 +2,28 @@
 
 Every op and dtype on CUDA tensors against the same collective on CPU tensors (reduce_scatter
 included: both forms, bool, empty rows, CuPy arrays, bad input), stream-ordering checks (a
-kernel writes the buffer on a side stream right before the collective), and synchronize +
-DistributedOptimizer on a CUDA model. Rank 0 prints
+kernel writes the buffer on a side stream right before the collective), synchronize +
+DistributedOptimizer on a CUDA model (overlap on and off), the sharded optimizer (equal to the
+unsharded one; its state consolidated on one rank, on the CPU, and the GPU memory that costs),
+checkpoints, exact evaluation, the device of the communication thread's jobs, and buffers on
+another GPU than the communicator's. With more ranks than GPUs, NCCL runs as a rehearsal
+(``DML_NCCL_SHARE_DEVICE=1``: ranks share a GPU over loopback sockets). Rank 0 prints
 ``GPU CHECKS PASSED`` at the end. Runs only where a GPU is present.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 
 import numpy as np
 import torch
 
 import distutils_ml as dml
+from distutils_ml.commthread import comm_thread
+
+import sharded_bodies
 
 DTYPES = [
     torch.float16,
@@ -152,12 +161,11 @@ def check_stream_ordering(backend: dml.Backend) -> None:
     assert torch.all(recv == w * (w + 1) / 2), "the two-buffer collective ran before the producing kernel finished"
 
 
-def check_cupy(backend: dml.Backend) -> bool:
-    """CuPy arrays, on a non-default CuPy stream: the result is ordered before CuPy's later work."""
-    try:
-        import cupy
-    except ImportError:
-        return False
+def check_cupy(backend: dml.Backend) -> None:
+    """CuPy arrays, on a non-default CuPy stream: the result is ordered before CuPy's later work; with two GPUs,
+    an array on a GPU that is not CuPy's current one is ordered on its own GPU's stream."""
+    import cupy  # the GPU check needs CuPy (NCCLBackend does anyway): a missing CuPy fails it
+
     w, rank = dml.total_workers(backend), dml.local_rank(backend)
     with cupy.cuda.Stream(non_blocking=True):
         x = cupy.full(1 << 20, rank + 1, dtype=cupy.float32)
@@ -168,7 +176,24 @@ def check_cupy(backend: dml.Backend) -> bool:
         gathered = out.get()
     assert total == (1 << 20) * w * (w + 1) / 2, total
     assert (gathered == np.arange(w)[:, None]).all(), gathered
-    return True
+    if backend.takes_device_buffers and backend.device is not None:
+        return  # NCCL: buffers on the communicator's GPU only (check_devices)
+    if cupy.cuda.runtime.getDeviceCount() > 1:
+        # An array on a GPU that is not CuPy's current one, written on that GPU's current CuPy stream after a
+        # slow kernel: the collective must be ordered on that stream, not on the current GPU's.
+        other = (cupy.cuda.Device().id + 1) % cupy.cuda.runtime.getDeviceCount()
+        with cupy.cuda.Device(other):
+            stream = cupy.cuda.Stream(non_blocking=True)
+            stream.use()
+            y = cupy.zeros(1 << 20, dtype=cupy.float32)
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=torch.device("cuda", other))):
+                torch.cuda._sleep(50_000_000)
+            y.fill(rank + 1)
+        dml.allreduce(backend, y, dml.SUM)  # CuPy's current GPU is not y's here
+        with cupy.cuda.Device(other):
+            total = float(y.sum())
+            cupy.cuda.Stream.null.use()
+        assert total == (1 << 20) * w * (w + 1) / 2, f"the collective ran before the write on y's GPU ({total})"
 
 
 def check_training(backend: dml.Backend) -> None:
@@ -239,6 +264,92 @@ def check_issue_13(backend: dml.Backend) -> None:
         assert (every == every[0]).all(), f"replicas differ (overlap={overlap})"
 
 
+def mlp(seed: int, device: str = "cuda") -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8)
+    ).to(device)
+
+
+def train(backend: dml.Backend, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> np.ndarray:
+    rank, device = dml.local_rank(backend), next(model.parameters()).device
+    gen = torch.Generator(device).manual_seed(100 + rank)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(16, 64, device=device, generator=gen)).square().mean().backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().cpu().numpy()
+
+
+def check_sharded(backend: dml.Backend, device: str = "cuda") -> dict:
+    """The sharded optimizer on CUDA (overlap on and off) steps as the unsharded one; its state_dict consolidates
+    on one rank, on the CPU, and loads back; the GPU memory of both stays at the shard plus one entry."""
+    for overlap in (False, True):
+        plain, sharded = mlp(0, device), mlp(0, device)
+        # SGD with momentum: linear in the gradients, so a different summation order stays within rounding.
+        a = dml.DistributedOptimizer(
+            backend, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), overlap=overlap
+        )
+        b = dml.DistributedOptimizer(
+            backend, torch.optim.SGD(sharded.parameters(), lr=0.1, momentum=0.9), overlap=overlap, shard_state=True
+        )
+        want, got = train(backend, plain, a, 4), train(backend, sharded, b, 4)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=f"sharded != unsharded ({overlap=})")
+        full = b.state_dict()
+        if dml.local_rank(backend) == 0:
+            assert full is not None and all(
+                v.device.type == "cpu" for entry in full["state"].values() for v in entry.values() if torch.is_tensor(v)
+            ), "the consolidated state is not on the CPU"
+            ref = a.state_dict()["state"]
+            for i, entry in ref.items():
+                torch.testing.assert_close(
+                    full["state"][i]["momentum_buffer"], entry["momentum_buffer"].cpu(), rtol=1e-4, atol=1e-6
+                )
+        every = b.state_dict(to=None)
+        b.load_state_dict(every)
+        assert train(backend, sharded, b, 1).shape == want.shape
+    return sharded_bodies.state_memory_body(backend, device)
+
+
+def check_checkpoint(backend: dml.Backend, device: str = "cuda") -> None:
+    """dml.save / dml.load of a CUDA model, both optimizer forms: a resumed run ends where an uninterrupted one does."""
+    folder = dml.bcast_object(backend, tempfile.mkdtemp() if dml.local_rank(backend) == 0 else None, root=0)
+    path = os.path.join(folder, "gpu.pt")
+    for shard in (False, True):
+        model = mlp(1, device)
+        opt = dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters(), lr=1e-3), shard_state=shard)
+        train(backend, model, opt, 2)
+        dml.save(backend, {"model": model, "opt": opt}, path)
+        straight = train(backend, model, opt, 2)
+        model = mlp(2, device)
+        opt = dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters(), lr=1e-3), shard_state=shard)
+        ckpt = dml.load(backend, path)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        resumed = train(backend, model, opt, 2)
+        np.testing.assert_allclose(resumed, straight, rtol=1e-6, atol=1e-7, err_msg=f"resume ({shard=})")
+
+
+def check_devices(backend: dml.Backend) -> str:
+    """The communication thread's jobs run on this rank's device; a buffer on another GPU than the communicator's
+    is refused before any call (only with two GPUs or more)."""
+    here = torch.cuda.current_device()
+    seen: list[int] = []
+    comm_thread(backend).submit(lambda: seen.append(torch.cuda.current_device()))
+    comm_thread(backend).wait()
+    assert seen == [here], f"a communication-thread job ran on cuda:{seen[0]}, not this rank's cuda:{here}"
+    if backend.device is None or torch.cuda.device_count() < 2:
+        return "other-GPU buffer: not checked (one GPU, or a backend that takes any GPU)"
+    other = (backend.device + 1) % torch.cuda.device_count()
+    try:
+        dml.allreduce(backend, torch.ones(4, device=f"cuda:{other}"), dml.SUM)
+    except ValueError as e:
+        assert f"cuda:{other}" in str(e) and f"cuda:{backend.device}" in str(e), str(e)
+    else:
+        raise AssertionError("a buffer on another GPU than the communicator's was not refused")
+    return "other-GPU buffer: refused"
+
+
 def main(kind: str) -> None:
     if kind == "nccl":
         dml.initialize(dml.NCCLBackend)
@@ -251,13 +362,17 @@ def main(kind: str) -> None:
     n = check_every_op_and_dtype(backend, cpu)
     n += check_reduce_scatter(backend, cpu)
     check_stream_ordering(backend)
-    cupy_checked = check_cupy(backend)
+    check_cupy(backend)
     check_training(backend)
     check_issue_11(backend)
     check_issue_13(backend)
+    memory = check_sharded(backend)
+    check_checkpoint(backend)
+    devices = check_devices(backend)
+    dml.print(backend, f"sharded state memory: {memory}")
     dml.barrier(backend)
     if dml.local_rank(backend) == 0:
-        what = f"{n} op/dtype cases, CuPy arrays {'checked' if cupy_checked else 'skipped (no CuPy)'}"
+        what = f"{n} op/dtype cases, CuPy arrays checked, {devices}"
         print(f"GPU CHECKS PASSED: {kind} on {dml.total_workers(backend)} ranks, {what}", flush=True)
 
 

@@ -22,11 +22,13 @@ import batchnorm_bodies as bodies
 from mpirun import requires_mpi, run_mpi
 
 HAVE_GPU = torch.cuda.is_available()
-needs_gpu = pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device on this machine (run scripts/gpu-check.sh on one)")
-needs_nccl = pytest.mark.skipif(
-    not HAVE_GPU or importlib.util.find_spec("cupy") is None,
-    reason='NCCL tests need a CUDA device and CuPy: pip install "distutils-ml[cuda]"',
-)
+needs_gpu = pytest.mark.gpu
+
+
+def needs_nccl(test: Callable[..., None]) -> Callable[..., None]:
+    """A GPU test that also needs CuPy's NCCL (on a GPU machine, a skip for its absence is a failure there)."""
+    no_cupy = importlib.util.find_spec("cupy") is None
+    return pytest.mark.gpu(pytest.mark.skipif(no_cupy, reason='needs CuPy: pip install "distutils-ml[cuda]"')(test))
 
 
 @st.composite
@@ -124,6 +126,7 @@ def test_gpu_cuda_tensors_on_simulated_ranks() -> None:
 
 
 @needs_gpu
+@pytest.mark.gpu_job
 @requires_mpi
 def test_gpu_staged_cuda_tensors_under_mpiexec() -> None:
     job = run_mpi(2, ["tests/batchnorm_job.py", "staged"], timeout=300)
@@ -131,8 +134,11 @@ def test_gpu_staged_cuda_tensors_under_mpiexec() -> None:
 
 
 @needs_nccl
+@pytest.mark.gpu_job
 @requires_mpi
-def test_gpu_nccl_backend() -> None:
-    ranks = min(2, torch.cuda.device_count())  # NCCL needs one GPU per rank
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_gpu_nccl_backend(ranks: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    if ranks > torch.cuda.device_count():  # the rehearsal: ranks share a GPU over NCCL's loopback sockets
+        monkeypatch.setenv("DML_NCCL_SHARE_DEVICE", "1")
     job = run_mpi(ranks, ["tests/batchnorm_job.py", "nccl"], timeout=300)
     assert job.returncode == 0 and f"BATCHNORM JOB PASSED: nccl on {ranks} ranks" in job.output, job.output[-12000:]
