@@ -138,3 +138,39 @@ def test_reduce_scatter_job_under_mpiexec(ranks: int) -> None:
     assert f"REDUCE_SCATTER CHECKS PASSED: {checks} on {ranks} ranks" in job.output, job.output[-8000:]
     for check in checks.split():
         assert job.output.count(f"check {check} passed") == ranks, job.output[-8000:]
+
+
+# Rows of more than 2**31 elements: MPI counts are C ints, so the MPI backend must cut them into pieces,
+# each piece landing at its own offset. int8 keeps it to 4 GiB of send buffer per rank (float32 rows of
+# that length would need 16 GiB per rank). The values repeat with a prime period, so a piece written at
+# the wrong offset shows.
+_HUGE_ROW = """
+import numpy as np
+import distutils_ml as dml
+
+dml.initialize(dml.MPIBackend)
+b = dml.get_distributed_backend(dml.MPIBackend)
+w, r = b.size, b.rank
+n = 2**31 + 3
+period = np.arange(251, dtype=np.int8) % 50
+rows = np.empty((w, n), dtype=np.int8)
+for k in range(w):
+    rows[k] = np.resize(period + np.int8(r + k), n)
+out = dml.reduce_scatter(b, rows, dml.SUM)  # in place: rows[r]
+assert out.shape == (n,) and out.ctypes.data == rows[r].ctypes.data
+chunk = 251 * 4096
+want = np.resize(period * np.int8(w) + np.int8(w * r + w * (w - 1) // 2), chunk)
+for lo in range(0, n, chunk):
+    piece = out[lo : lo + chunk]
+    assert (piece == want[: piece.size]).all(), f"wrong values at [{lo}, {lo + piece.size})"
+dml.barrier(b)
+if r == 0:
+    print(f"HUGE ROW PASSED: {n} int8 elements per row on {w} ranks", flush=True)
+"""
+
+
+@requires_mpi
+@pytest.mark.slow
+def test_rows_past_two_to_the_31_elements_under_mpiexec() -> None:
+    job = run_mpi(2, ["-c", _HUGE_ROW], timeout=240)
+    assert job.returncode == 0 and "HUGE ROW PASSED: 2147483651 int8" in job.output, job.output[-6000:]
