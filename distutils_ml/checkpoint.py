@@ -100,15 +100,16 @@ def _state_of(obj: Any) -> Any:
 
 
 def _collective_states(obj: Any) -> Any:
-    """``obj`` with every sharded optimizer replaced by its ``state_dict()``, on every rank (a collective).
+    """``obj`` with every sharded optimizer replaced by its ``state_dict(to=0)``, on every rank (a collective).
 
     A ``dml.ShardedOptimizer`` consolidates its state from every rank's shard, so every rank
     must ask for it, in the same order: the same walk on every rank, before rank 0 writes.
+    Only rank 0, the writer, receives the full state (on the CPU); the other ranks get None.
     """
     from distutils_ml.sharded import ShardedOptimizer
 
     if isinstance(obj, ShardedOptimizer):
-        return obj.state_dict()
+        return obj.state_dict(to=0)
     if type(obj) in (dict, OrderedDict):
         return type(obj)((k, _collective_states(v)) for k, v in obj.items())
     if type(obj) in (list, tuple):

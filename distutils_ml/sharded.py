@@ -21,8 +21,10 @@ Step. A twin of the wrapped optimizer (same class and hyper-parameters) holds on
 tensor per (parameter, piece) overlap, views of the flat parameter buffer, so its state
 is this rank's share. It steps them on the reduced gradients; then every bucket's
 pieces are allgathered back into the flat parameter buffer, which the model's
-parameters are views of. ``state_dict()`` consolidates the full state (collectives);
-``load_state_dict()`` slices a full state into this rank's pieces, for any world size.
+parameters are views of. ``state_dict(to=0)`` consolidates the full state on one rank, on
+the CPU, one entry (state key and flat buffer) at a time (collectives); ``load_state_dict()``
+cuts this rank's pieces out of a full state, for any world size, and moves only them to the
+device.
 """
 
 from __future__ import annotations
@@ -166,10 +168,11 @@ class ShardedOptimizer(DistributedOptimizer):
     - After ``backward()`` only this rank's shard of each ``.grad`` is the reduced one;
       the rest holds this rank's own gradients. Clip with :meth:`clip_grad_norm_`, not
       ``torch.nn.utils.clip_grad_norm_``. ``torch.amp.GradScaler`` is refused.
-    - ``state_dict()`` is a collective (every rank calls it) and returns the full,
-      unsharded state in torch's format, loadable by any world size and by the
-      unsharded optimizer; ``load_state_dict`` takes such a full state. ``opt.state``
-      is empty: this rank's share is in ``opt.shard_optimizer.state``.
+    - ``state_dict(to=0)`` is a collective (every rank calls it): rank ``to`` gets the full,
+      unsharded state in torch's format, on the CPU, loadable by any world size and by the
+      unsharded optimizer; the other ranks get None (``to=None``: every rank gets it).
+      ``load_state_dict`` takes such a full state on every rank and keeps its slices.
+      ``opt.state`` is empty: this rank's share is in ``opt.shard_optimizer.state``.
     - Gradients reduced by a backward are cleared with ``opt.zero_grad()`` before the
       next backward: accumulating into them raises ``RuntimeError``.
     - Only elementwise optimizers: ``torch.optim.SGD``, ``Adam``, ``AdamW``, ``RMSprop``,
@@ -851,12 +854,39 @@ class ShardedOptimizer(DistributedOptimizer):
 
     # -- state ---------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """The full, unsharded state in torch's format, on every rank (a collective: every rank calls it).
+    def state_dict(self, to: int | None = 0) -> dict[str, Any] | None:
+        """The full, unsharded state in torch's format, on rank ``to``, on the CPU (a collective: every rank calls it).
 
-        Exactly what ``shard_state=False`` (or the plain optimizer) would return: state keyed by
-        parameter index, tensors shaped like the parameters. Loads into any world size, sharded or not.
+        Exactly what ``shard_state=False`` (or the plain optimizer) would return, every tensor
+        on the CPU: state keyed by parameter index, tensors shaped like the parameters. Loads
+        into any world size, sharded or not. It is consolidated entry by entry (state key and
+        flat buffer) through host memory: each rank copies its shard of an entry to the CPU, the
+        shards are allgathered there, and rank ``to`` cuts the parameters' entries out. No GPU
+        holds more than its shard; rank ``to`` ends with the full state in host memory, the other
+        ranks hold at most one entry's gathered buffer at a time.
+
+        Args:
+            to: the rank that receives the full state (default 0, the rank ``dml.save`` writes
+                from), the same on every rank; None gives it to every rank.
+
+        Returns:
+            The full state on rank ``to`` (on every rank with ``to=None``); None on the other ranks.
+
+        Raises:
+            TypeError, ValueError: ``to`` is not a rank of this job or None (before any communication).
+            ValueError: the ranks passed different values of ``to`` (raised on every rank).
+            RuntimeError: called on one rank alone, inside another collective.
+
+        Example:
+            >>> model = torch.nn.Linear(4, 1)
+            >>> opt = dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters()), shard_state=True)
+            >>> model(torch.ones(2, 4)).sum().backward()
+            >>> opt.step()
+            >>> full = opt.state_dict()  # on rank 0; None on the other ranks
+            >>> full["state"][0]["exp_avg"].shape, full["state"][0]["exp_avg"].device
+            (torch.Size([1, 4]), device(type='cpu'))
         """
+        to = _check_to(to, self._backend.size)
         if self._backend._entry._is_owned():  # inside another collective, which runs this on one rank only
             raise RuntimeError(
                 "DistributedOptimizer(shard_state=True).state_dict() is a collective (every rank consolidates the "
@@ -864,43 +894,166 @@ class ShardedOptimizer(DistributedOptimizer):
                 "ranks that never join. Call opt.state_dict() on every rank and pass its result instead, e.g. "
                 "dml.save(backend, {'opt': opt.state_dict()}, path)"
             )
-        full = self._gather_state()
+        full, _ = self._gather_state(to)
+        if full is None:
+            return None
         outer = self.optimizer
         added = []
         for i, entries in full.items():
             outer.state[self._params[i]] = entries
             added.append(self._params[i])
         try:
-            return outer.state_dict()
+            result = outer.state_dict()
         finally:
             for p in added:
                 outer.state.pop(p, None)
+        # Parameters the wrapped optimizer keeps whole (frozen ones with state of their own): on the CPU too.
+        result["state"] = {
+            i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in e.items()} if isinstance(e, dict) else e
+            for i, e in result["state"].items()
+        }
+        return result
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full state (from ``state_dict()`` of any world size, sharded or not); keep this rank's share.
 
-        No communication: every rank loads the same full state and slices its pieces out.
+        No communication: every rank is given the same full state and keeps its own slices. They
+        are cut out where the given tensors are (the CPU, for a checkpoint from ``dml.load``), and
+        only they move to the parameters' device, cast as torch's ``load_state_dict`` casts them
+        (floating entries to the parameter's dtype, ``step`` as torch leaves it): the GPU holds no
+        more of the state than this rank's shard, and no reference to the given tensors is kept.
+
+        Args:
+            state_dict: the full state in torch's format: what ``state_dict()`` returned on rank 0
+                (saved by ``dml.save``; ``dml.load`` returns it on every rank), or
+                ``state_dict(to=None)``, or the state of the unsharded optimizer.
+
+        Raises:
+            TypeError: ``state_dict`` is not a dict (None, say: ``state_dict()`` returns the state
+                on one rank only).
+            ValueError: it has no ``"state"`` or ``"param_groups"``, or its parameter groups differ in
+                number or size from this optimizer's. Nothing is changed.
+
+        Example:
+            >>> model = torch.nn.Linear(4, 1)
+            >>> opt = dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters()), shard_state=True)
+            >>> model(torch.ones(2, 4)).sum().backward()
+            >>> opt.step()
+            >>> opt.load_state_dict(opt.state_dict(to=None))  # every rank keeps its slices of the full state
         """
-        self.optimizer.load_state_dict(state_dict)
-        self._inner.state.clear()
-        self._scatter_state()
+        self._check_loadable(state_dict)
+        theirs = {
+            _storage(v)
+            for entries in state_dict["state"].values()
+            if isinstance(entries, dict)
+            for v in entries.values()
+            if isinstance(v, torch.Tensor)
+        }
+        mine = self._slices(state_dict)
+        self._inner.state.clear()  # this rank's old shard goes before the new one arrives
+        self.optimizer.load_state_dict(mine)
+        self._scatter_state(theirs)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group (every rank the same, in the same order): the layout is built again.
 
-        A collective: the state is consolidated, the flat buffers rebuilt over all parameters, and
-        the state sliced again.
+        A collective: the state is consolidated on every rank, on the CPU (as by
+        ``state_dict(to=None)``), the flat buffers rebuilt over all parameters, and each rank's
+        new pieces cut out of it and placed where their state was (the parameters' device, or the
+        CPU for entries such as Adam's ``step``).
         """
-        full = self._gather_state()
+        full, at_param = self._gather_state(None)
+        assert full is not None
+        kept = {id(self._params[i]): (self._params[i], i, entries) for i, entries in full.items()}
         self.optimizer.add_param_group(param_group)
-        for i, entries in full.items():
-            self.optimizer.state[self._params[i]] = entries
         self._reset_round()
         self._agreed = False
         self._build(self._params_now())
+        for pc in self._pieces:
+            p = self._params[pc.index]
+            if id(p) not in kept:
+                continue
+            _, old, entries = kept[id(p)]
+            self._inner.state[pc.tensor] = {
+                k: _place(pc, p, v, (old, k) in at_param) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                for k, v in entries.items()
+            }
+        for p, _, entries in kept.values():  # no longer sharded (its requires_grad switched off): kept whole
+            if self._index.get(id(p)) is None:
+                self.optimizer.state[p] = entries
 
-    def _scatter_state(self) -> None:
-        """Move the wrapped optimizer's state of the sharded parameters into this rank's pieces."""
+    def _check_loadable(self, state_dict: Any) -> None:
+        """``TypeError`` / ``ValueError`` unless ``state_dict`` is an optimizer state of this optimizer's groups."""
+        how = (
+            "pass the full state on every rank: rank 0's opt.state_dict() as saved in a checkpoint (dml.load "
+            "returns it on every rank), or opt.state_dict(to=None), which returns it on every rank"
+        )
+        if not isinstance(state_dict, dict):
+            raise TypeError(
+                f"ShardedOptimizer.load_state_dict: state_dict: got {type(state_dict).__qualname__}; allowed: a dict "
+                f"in torch's format. opt.state_dict() returns the full state on rank 0 only (None elsewhere): {how}"
+            )
+        missing = [k for k in ("state", "param_groups") if k not in state_dict]
+        if missing:
+            keys = ", ".join(repr(k) for k in list(state_dict)[:8]) or "none"
+            raise ValueError(
+                f"ShardedOptimizer.load_state_dict: state_dict: has no {' or '.join(map(repr, missing))} (its keys: "
+                f"{keys}); allowed: an optimizer state dict with 'state' and 'param_groups': {how}"
+            )
+        state, saved, groups = state_dict["state"], state_dict["param_groups"], self.optimizer.param_groups
+        if not isinstance(state, dict) or not isinstance(saved, (list, tuple)):
+            raise TypeError(
+                f"ShardedOptimizer.load_state_dict: state_dict: 'state' is a {type(state).__qualname__} and "
+                f"'param_groups' a {type(saved).__qualname__}; allowed: a dict and a list, as in torch's format: {how}"
+            )
+        if not all(isinstance(g, dict) and "params" in g for g in saved):
+            raise ValueError(
+                "ShardedOptimizer.load_state_dict: state_dict: 'param_groups' holds an entry that is not a dict with "
+                f"'params'; allowed: the groups of an optimizer's state dict: {how}"
+            )
+        if len(saved) != len(groups):
+            raise ValueError(
+                f"ShardedOptimizer.load_state_dict: state_dict: has {len(saved)} parameter groups, this optimizer "
+                f"{len(groups)}; allowed: the state of an optimizer over the same parameter groups"
+            )
+        for g, (have, want) in enumerate(zip(saved, groups, strict=True)):
+            if len(have["params"]) != len(want["params"]):
+                raise ValueError(
+                    f"ShardedOptimizer.load_state_dict: state_dict: parameter group {g} has {len(have['params'])} "
+                    f"parameters, this optimizer's {len(want['params'])}; allowed: the state of an optimizer over "
+                    "the same parameters"
+                )
+
+    def _slices(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with each sharded parameter's entries cut to this rank's piece (views of the given
+        tensors where they are contiguous); parameters with no element on this rank left out."""
+        saved = [k for g in state_dict["param_groups"] for k in g["params"]]
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        piece_of = {pc.index: pc for pc in self._pieces}
+        known = set(saved)
+        state: dict[Any, Any] = {k: v for k, v in state_dict["state"].items() if k not in known}  # torch keeps these
+        for key, p in zip(saved, params, strict=True):
+            entries = state_dict["state"].get(key)
+            if entries is None:
+                continue
+            i = self._index.get(id(p))
+            if i is None or self._params[i] is not p or not isinstance(entries, dict):
+                state[key] = entries  # not sharded (frozen): the wrapped optimizer keeps it whole
+                continue
+            pc = piece_of.get(i)
+            if pc is None:
+                continue  # no element of it on this rank
+            state[key] = {k: _cut(pc, p, v) if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
+        return {**state_dict, "state": state}
+
+    def _scatter_state(self, theirs: set[int] | None = None) -> None:
+        """Move the wrapped optimizer's state of the sharded parameters into this rank's pieces.
+
+        An entry shaped like its parameter is cut to the piece (a copy). Others (entries already
+        cut by ``load_state_dict``, values such as ``step``) are taken as they are, copied only
+        when they are the caller's: ``theirs`` holds the storages of the tensors given to
+        ``load_state_dict`` (None: copy every tensor).
+        """
         outer, inner = self.optimizer, self._inner
         for pc in self._pieces:
             p = self._params[pc.index]
@@ -909,18 +1062,23 @@ class ShardedOptimizer(DistributedOptimizer):
                 continue
             mine: dict[str, Any] = {}
             for k, v in entries.items():
-                if isinstance(v, torch.Tensor):
-                    sliced = not pc.whole and v.shape == p.shape
-                    mine[k] = (v.detach().reshape(-1)[pc.lo : pc.hi] if sliced else v.detach()).clone()
-                else:
+                if not isinstance(v, torch.Tensor):
                     mine[k] = copy.deepcopy(v)
+                elif _cut(pc, p, v) is not v:
+                    mine[k] = _cut(pc, p, v).clone()
+                elif theirs is None or _storage(v) in theirs:
+                    mine[k] = v.detach().clone()
+                else:
+                    mine[k] = v.detach()
             inner.state[pc.tensor] = mine
         for p in self._params:
             outer.state.pop(p, None)
         self._sync_hyper()
 
-    def _gather_state(self) -> dict[int, dict[str, Any]]:
-        """Every sharded parameter's full state, by index in ``_params``, on every rank (collectives)."""
+    def _gather_state(self, to: int | None) -> tuple[dict[int, dict[str, Any]] | None, set[tuple[int, str]]]:
+        """Every sharded parameter's full state, by index in ``_params``, on the CPU, on rank ``to`` (every rank
+        with None; None on the others), and the (index, key) of the entries that lived on their parameter's
+        device. Collectives: one allgather of what each rank holds, one of host buffers per flat buffer and key."""
         backend = self._backend
         meta: dict[int, list[tuple[str, tuple[Any, ...]]]] = {}
         for pc in self._pieces:
@@ -930,49 +1088,67 @@ class ShardedOptimizer(DistributedOptimizer):
             p = self._params[pc.index]
             described = []
             for k, v in entries.items():
-                if isinstance(v, torch.Tensor) and pc.grad is not None and _is_share(pc, p, v):
-                    described.append((k, ("shard", v.dtype, str(v.device))))
-                elif isinstance(v, torch.Tensor):
-                    described.append((k, ("value", v.detach().cpu(), str(v.device))))
-                else:
+                if not isinstance(v, torch.Tensor):
                     described.append((k, ("object", v)))
+                elif pc.grad is not None and _is_share(pc, p, v):
+                    described.append((k, ("shard", v.dtype, v.device == pc.tensor.device)))
+                else:
+                    described.append((k, ("value", v.detach().cpu(), v.device == pc.tensor.device)))
             meta[pc.index] = described
+        every = allgather_object(backend, (to, meta))
+        for r, (theirs, _) in enumerate(every):
+            if theirs != every[0][0]:
+                raise ValueError(
+                    f"ShardedOptimizer.state_dict: to: rank 0 passed {every[0][0]!r}, rank {r} {theirs!r}; allowed: "
+                    "the same on every rank (the rank that receives the full state, or None for every rank)"
+                )
         merged: dict[int, list[tuple[str, tuple[Any, ...]]]] = {}
-        for every in allgather_object(backend, meta):
-            for i, described in every.items():
+        for _, described_by_rank in every:
+            for i, described in described_by_rank.items():
                 merged.setdefault(i, described)
         full: dict[int, dict[str, Any]] = {}
-        groups: dict[tuple[int, str, torch.dtype, str], list[int]] = {}
-        flat_index = {id(f): k for k, f in enumerate(self._flats)}
+        at_param: set[tuple[int, str]] = set()
+        groups: dict[tuple[int, str, torch.dtype], list[int]] = {}
+        flat_index = {id(f): n for n, f in enumerate(self._flats)}
         for i in sorted(merged):
-            full[i] = {}
+            entries = full[i] = {}
             for k, what in merged[i]:
+                if what[0] == "object":
+                    entries[k] = copy.deepcopy(what[1])
+                    continue
+                if what[2]:
+                    at_param.add((i, k))
                 if what[0] == "shard":
                     flat = self._buckets[self._bucket_of[i]].flat
-                    groups.setdefault((flat_index[id(flat)], k, what[1], what[2]), []).append(i)
-                    full[i][k] = None  # filled below, in this order
-                elif what[0] == "value":
-                    full[i][k] = what[1].to(what[2])
+                    groups.setdefault((flat_index[id(flat)], k, what[1]), []).append(i)
+                    entries[k] = None  # filled below, in this order
                 else:
-                    full[i][k] = copy.deepcopy(what[1])
-        for (f, k, dtype, device), members in groups.items():
-            self._gather_entry(self._flats[f], (k, dtype, torch.device(device)), members, full)
-        return full
+                    entries[k] = what[1].clone()
+        mine = to is None or backend.rank == to
+        for (f, k, dtype), members in groups.items():
+            self._gather_entry(self._flats[f], (k, dtype), members, full if mine else None)
+        return (full if mine else None), at_param
 
     def _gather_entry(
-        self, flat: _Flat, entry: tuple[str, torch.dtype, torch.device], members: list[int], full: dict[int, Any]
+        self, flat: _Flat, entry: tuple[str, torch.dtype], members: list[int], full: dict[int, Any] | None
     ) -> None:
-        """State ``entry`` (key, dtype, device) of parameters ``members`` (all in ``flat``), from all ranks."""
-        key, dtype, device = entry
-        size = self._backend.size
-        shard = torch.zeros(flat.shard, dtype=dtype, device=device)
+        """State ``entry`` (key, dtype) of parameters ``members`` (all in ``flat``) from every rank, on the CPU.
+
+        This rank's shard of it goes to a host buffer piece by piece (no device memory), the shards
+        are allgathered there, and ``full`` receives each member's entry, cut out of them (None:
+        this rank keeps nothing).
+        """
+        key, dtype = entry
+        shard = torch.zeros(flat.shard, dtype=dtype)
         wanted = set(members)
         for pc in self._pieces:
             value = self._inner.state.get(pc.tensor, {}).get(key) if pc.index in wanted else None
             if isinstance(value, torch.Tensor) and pc.grad is not None:
-                shard[pc.shard_at : pc.shard_at + pc.hi - pc.lo].copy_(value.reshape(-1))
-        every = torch.empty(size, flat.shard, dtype=dtype, device=device)
+                shard[pc.shard_at : pc.shard_at + pc.hi - pc.lo].copy_(value.detach().reshape(-1))
+        every = torch.empty(self._backend.size, flat.shard, dtype=dtype)
         allgather(self._backend, shard, every)
+        if full is None:
+            return
         buckets: dict[int, torch.Tensor] = {}
         for i in members:
             k = self._bucket_of[i]
@@ -982,6 +1158,40 @@ class ShardedOptimizer(DistributedOptimizer):
             p = self._params[i]
             at = self._offset[i] - b.start
             full[i][key] = buckets[k][at : at + p.numel()].view(p.shape).clone()
+
+
+def _check_to(to: Any, size: int) -> int | None:
+    """``to`` of ``state_dict`` as an int (or None), or the error every rank raises alike before communicating."""
+    allowed = f"a rank from 0 to {size - 1} (the one that receives the full state), or None for every rank"
+    if to is None:
+        return None
+    if isinstance(to, bool) or not isinstance(to, (int, np.integer)):
+        raise TypeError(f"ShardedOptimizer.state_dict: to: got {type(to).__qualname__} {to!r}; allowed: {allowed}")
+    if not 0 <= to < size:
+        raise ValueError(
+            f"ShardedOptimizer.state_dict: to: got {int(to)}, but this job has {size} rank(s); allowed: {allowed}"
+        )
+    return int(to)
+
+
+def _cut(pc: _Piece, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """State tensor ``v`` of parameter ``p`` cut to piece ``pc`` when it is shaped like ``p`` (a view where it
+    is contiguous); ``v`` itself when it is whole already or no per-element entry."""
+    if pc.whole or v.shape != p.shape:
+        return v
+    return v.detach().reshape(-1)[pc.lo : pc.hi]
+
+
+def _place(pc: _Piece, p: torch.Tensor, v: torch.Tensor, at_param: bool) -> torch.Tensor:
+    """Piece ``pc``'s own copy of full entry ``v`` (on the CPU), on its parameter's device or, if not
+    ``at_param``, the CPU."""
+    piece = _cut(pc, p, v)
+    return piece.to(pc.tensor.device if at_param else torch.device("cpu"), copy=piece is not v)
+
+
+def _storage(v: torch.Tensor) -> int:
+    """Where ``v``'s storage starts: tensors with the same one share their memory."""
+    return v.untyped_storage().data_ptr()
 
 
 def _is_view(grad: torch.Tensor, view: torch.Tensor) -> bool:

@@ -11,6 +11,7 @@ orders).
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,8 @@ from train_bodies import _gen, replicas_identical
 KINDS = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "adamax", "nadam", "radam", "asgd", "adadelta", "rprop")
 #: (rtol, atol) where the sums may differ in rounding: float32 gradients, a few steps.
 TOLERANCE = {None: (1e-4, 1e-5), "bfloat16": (1e-2, 1e-3)}
+#: Bytes of device memory that consolidating or loading the state may take beyond one entry's shard.
+SLACK = 1 << 20
 
 
 def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
@@ -158,6 +161,7 @@ def _batch(case: ShardCase, step: int, micro: int, rank: int) -> torch.Tensor:
 
 
 def _state_equal(backend: dml.Backend, got: dict[str, Any], want: dict[str, Any], wire: str | None) -> None:
+    """``got`` (a sharded optimizer's consolidated state) is ``want``, with every tensor on the CPU."""
     assert got["param_groups"] == want["param_groups"], (got["param_groups"], want["param_groups"])
     assert sorted(got["state"]) == sorted(want["state"]), (sorted(got["state"]), sorted(want["state"]))
     for i, entries in want["state"].items():
@@ -165,10 +169,22 @@ def _state_equal(backend: dml.Backend, got: dict[str, Any], want: dict[str, Any]
         for k, v in entries.items():
             g = got["state"][i][k]
             if isinstance(v, torch.Tensor):
-                assert g.shape == v.shape and g.dtype == v.dtype and g.device == v.device, (i, k, g, v)
-                check_close(backend, g, v, f"state[{i}][{k!r}]", wire)
+                assert g.shape == v.shape and g.dtype == v.dtype and g.device.type == "cpu", (i, k, g, v)
+                check_close(backend, g, v.cpu(), f"state[{i}][{k!r}]", wire)
             else:
                 assert g == v, (i, k, g, v)
+
+
+def consolidated_equal(backend: dml.Backend, sharded: Any, unsharded: Any, wire: str | None) -> None:
+    """``state_dict()`` is the unsharded optimizer's state on rank 0 alone (None on the others), on the CPU;
+    ``state_dict(to=None)`` is on every rank."""
+    want = unsharded.state_dict()
+    got = sharded.state_dict()
+    if dml.local_rank(backend) == 0:
+        _state_equal(backend, got, want, wire)
+    else:
+        assert got is None, f"rank {dml.local_rank(backend)}: state_dict() returned the state off rank 0"
+    _state_equal(backend, sharded.state_dict(to=None), want, wire)
 
 
 def equivalence_body(backend: dml.Backend, case: ShardCase) -> list[float]:
@@ -211,7 +227,7 @@ def equivalence_body(backend: dml.Backend, case: ShardCase) -> list[float]:
                 sched.step()
         for (name, p), q in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
             check_close(backend, p.detach(), q.detach(), f"step {step}: {name}", case.wire)
-    _state_equal(backend, sharded.state_dict(), opts[1].state_dict(), case.wire)
+    consolidated_equal(backend, sharded, opts[1], case.wire)
     flat = torch.cat([p.detach().reshape(-1) for p in models[0].parameters()]).tolist()
     replicas_identical(backend, flat)
     return flat
@@ -243,7 +259,8 @@ def kinds_body(backend: dml.Backend, kind: str) -> list[float]:
 def resume_body(
     backend: dml.Backend, steps: int, start: dict[str, Any] | None, sharded: bool = True, kind: str = "adam"
 ) -> dict[str, Any]:
-    """``steps`` steps from ``start`` (or from scratch); returns a checkpoint of the end, the same on every rank.
+    """``steps`` steps from ``start`` (or from scratch); returns a checkpoint of the end, the same on every rank
+    but for a sharded optimizer's state, which ``opt.state_dict()`` returns on rank 0 alone (None elsewhere).
 
     ``op=dml.MAX`` over data that is the same on every rank makes the run independent of the
     number of ranks bit for bit, so a run resumed from a checkpoint of another world size must
@@ -288,6 +305,14 @@ def checkpoints_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
             assert torch.equal(g, v) and g.dtype == v.dtype, (i, k, g, v)
 
 
+def every_rank_resumed(every: list[dict[str, Any]], want: dict[str, Any], sharded: bool) -> None:
+    """Each rank's checkpoint from ``resume_body`` is ``want``; a sharded optimizer's state is on rank 0 alone."""
+    for rank, checkpoint in enumerate(every):
+        if sharded and rank > 0:
+            assert checkpoint["opt"] is None, f"rank {rank}: opt.state_dict() returned the full state off rank 0"
+        checkpoints_equal({**checkpoint, "opt": every[0]["opt"] if sharded else checkpoint["opt"]}, want)
+
+
 def save_body(backend: dml.Backend, path: str, steps: int, sharded: bool = True) -> dict[str, Any]:
     """``resume_body`` from scratch, then ``dml.save`` of its checkpoint (``opt.state_dict()`` on every rank)."""
     checkpoint = resume_body(backend, steps, None, sharded)
@@ -298,6 +323,209 @@ def save_body(backend: dml.Backend, path: str, steps: int, sharded: bool = True)
 def load_body(backend: dml.Backend, path: str, steps: int, sharded: bool = True) -> dict[str, Any]:
     """``dml.load`` a checkpoint (of any world size) and go on ``steps`` steps."""
     return resume_body(backend, steps, dml.load(backend, path), sharded)
+
+
+def _expect(fn: Any, error: type[Exception], fragment: str) -> str:
+    """Run ``fn``, which must raise ``error`` with ``fragment`` in its message; return the message."""
+    try:
+        fn()
+    except error as e:
+        assert fragment in str(e), f"{fragment!r} not in {e}"
+        return str(e)
+    raise AssertionError(f"no {error.__name__} with {fragment!r}")
+
+
+def state_to_body(backend: dml.Backend) -> list[str]:
+    """``state_dict(to)``: the unsharded optimizer's state on rank ``to`` alone (None on the others), on the CPU,
+    on every rank with ``to=None``. A bad ``to`` raises before any communication (a barrier after a rank that
+    alone passed one still pairs) with the same message on every rank; ranks passing different ``to`` raise on
+    every rank. ``load_state_dict`` of None or of a dict that is no state raises and changes nothing; a load
+    casts as torch does and keeps no reference to the tensors it was given. Returns the messages."""
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    models = [Net((5, 9, 3), 6), Net((5, 9, 3), 6)]
+    opts = [
+        dml.DistributedOptimizer(
+            backend, make_optimizer("adam", _param_groups(m, True)), bucket_bytes=64, shard_state=s
+        )
+        for m, s in zip(models, (True, False), strict=True)
+    ]
+    sharded = opts[0]
+
+    def train(steps: int) -> None:
+        for step in range(steps):
+            for model, opt in zip(models, opts, strict=True):
+                opt.zero_grad()
+                model(torch.randn(3, 5, generator=_gen(10 * step + rank)), side=True).pow(2).mean().backward()
+                opt.step()
+        for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
+            check_close(backend, p.detach(), q.detach(), "parameters", None)
+
+    train(2)
+    want = copy.deepcopy(opts[1].state_dict())
+    for to in [*range(size), None, np.int64(size - 1)]:
+        got = sharded.state_dict(to=to)
+        if to is None or to == rank:
+            _state_equal(backend, got, want, None)
+        else:
+            assert got is None, f"rank {rank}: state_dict(to={to}) returned the state"
+    _state_equal(backend, sharded.state_dict(to=None), want, None)
+    if rank == 0:
+        _state_equal(backend, sharded.state_dict(0), want, None)  # positional
+    else:
+        assert sharded.state_dict(0) is None
+
+    seen = []
+    for bad, error, fragment in [
+        (-1, ValueError, "to: got -1"),
+        (size, ValueError, f"to: got {size}, but this job has {size} rank(s)"),
+        ("0", TypeError, "to: got str '0'"),
+        (1.0, TypeError, "to: got float 1.0"),
+        (True, TypeError, "to: got bool True"),
+    ]:
+        for culprit in range(size):  # on one rank alone: it raises there, and the barrier still pairs
+            if rank == culprit:
+                _expect(lambda bad=bad: sharded.state_dict(to=bad), error, fragment)
+            dml.barrier(backend)
+        message = _expect(lambda bad=bad: sharded.state_dict(to=bad), error, fragment)  # on every rank
+        assert dml.allgather_object(backend, message) == [message] * size
+        seen.append(message)
+    if size > 1:  # valid but different: every rank raises, after the small allgather
+        message = _expect(lambda: sharded.state_dict(to=rank), ValueError, "rank 0 passed 0, rank 1 1")
+        assert dml.allgather_object(backend, message) == [message] * size
+        seen.append(message)
+
+    for bad, error, fragment in [
+        (None, TypeError, "got NoneType"),
+        (None, TypeError, "opt.state_dict(to=None)"),
+        ({"opt": want}, ValueError, "has no 'state' or 'param_groups' (its keys: 'opt')"),
+        ({"state": {}, "param_groups": want["param_groups"][:1]}, ValueError, "has 1 parameter groups"),
+        ({"state": [], "param_groups": []}, TypeError, "'state' is a list"),
+    ]:
+        seen.append(_expect(lambda bad=bad: sharded.load_state_dict(bad), error, fragment))
+    groups = copy.deepcopy(want["param_groups"])
+    groups[0]["params"] = groups[0]["params"][:-1]
+    seen.append(_expect(lambda: sharded.load_state_dict({"state": {}, "param_groups": groups}), ValueError, "group 0"))
+    _state_equal(backend, sharded.state_dict(to=None), want, None)  # nothing changed
+
+    # torch's casting: floating entries to the parameter's dtype, step as given.
+    doubled = copy.deepcopy(want)
+    for entries in doubled["state"].values():
+        for k in entries:
+            entries[k] = entries[k].double()
+    sharded.load_state_dict(doubled)
+    for state in sharded.shard_optimizer.state.values():
+        assert state["step"].dtype == torch.float64 and state["exp_avg"].dtype == torch.float32, state
+    # The given tensors are not kept: changing them afterwards changes nothing.
+    given = copy.deepcopy(want)
+    sharded.load_state_dict(given)
+    for entries in given["state"].values():
+        for v in entries.values():
+            v.fill_(float("nan"))
+    _state_equal(backend, sharded.state_dict(to=None), want, None)
+    train(1)
+    consolidated_equal(backend, sharded, opts[1], None)
+    return seen
+
+
+def state_memory_body(backend: dml.Backend, device: str) -> dict[str, int]:
+    """``state_dict()`` and ``load_state_dict`` cost no more device memory than this rank's shard of one entry.
+
+    Adam over six 512x512 Linear layers (one state entry, 6.3 MB, is half the state; a rank's shard of it a
+    W-th of that) trains a few steps on ``device``. Then ``state_dict()`` (the full state on rank 0, on the
+    CPU), ``state_dict(to=None)`` and ``load_state_dict`` of that full CPU state (as ``dml.load`` returns a
+    checkpoint) each raise the peak of allocated CUDA memory (``torch.cuda.max_memory_allocated``, per process:
+    one rank per process, as under mpiexec) by at most this rank's shard of one entry plus ``SLACK`` bytes.
+    The round trip leaves this rank's shard as it was, on ``device``, and training goes on with the replicas
+    identical. Off CUDA only the round trip is checked. Public API and collectives only: any backend.
+
+    Returns:
+        Bytes: ``entry`` (this rank's shard of one entry), ``shard`` (of the whole state), ``full`` (the full
+        state), and the growth of peak device memory in ``state_dict``, ``state_dict_to_none`` and
+        ``load_state_dict`` (0 off CUDA).
+    """
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)]).to(device)
+    opt = dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters(), lr=1e-3), shard_state=True)
+    where = next(model.parameters()).device
+    cuda = where.type == "cuda"
+    gen = torch.Generator().manual_seed(rank)
+
+    def train(steps: int) -> None:
+        for _ in range(steps):
+            opt.zero_grad()
+            model(torch.randn(8, 512, generator=gen).to(where)).square().mean().backward()
+            opt.step()
+
+    def growth(fn: Any) -> tuple[Any, int]:
+        """``fn()`` and how far the peak of allocated device memory rose above the memory before it."""
+        if not cuda:
+            return fn(), 0
+        torch.cuda.synchronize(where)
+        torch.cuda.reset_peak_memory_stats(where)
+        before = torch.cuda.memory_allocated(where)
+        out = fn()
+        torch.cuda.synchronize(where)
+        return out, torch.cuda.max_memory_allocated(where) - before
+
+    train(3)
+    pieces = [t for g in opt.shard_optimizer.param_groups for t in g["params"]]
+    state = opt.shard_optimizer.state
+    mine = {
+        id(t): {k: (v.device, v.detach().to("cpu", copy=True)) for k, v in state.get(t, {}).items()} for t in pieces
+    }
+    sizes: dict[str, int] = {}
+    for t in pieces:
+        for k, v in state.get(t, {}).items():
+            if v.dim():
+                sizes[k] = sizes.get(k, 0) + v.numel() * v.element_size()
+    entry, shard = max(sizes.values()), sum(sizes.values())
+
+    first, grown_first = growth(opt.state_dict)
+    full, grown_all = growth(lambda: opt.state_dict(to=None))
+    tensors = [v for entries in full["state"].values() for v in entries.values() if isinstance(v, torch.Tensor)]
+    assert all(v.device.type == "cpu" for v in tensors), "the consolidated state is not on the CPU"
+    if rank == 0:
+        assert first is not None and first["param_groups"] == full["param_groups"]
+        for i, entries in full["state"].items():
+            for k, v in entries.items():
+                assert first["state"][i][k].device.type == "cpu" and torch.equal(first["state"][i][k], v), (i, k)
+    else:
+        assert first is None, f"rank {rank}: state_dict() returned the full state off rank 0"
+    total = sum(v.numel() * v.element_size() for v in tensors if v.dim())
+    assert total == sum(p.numel() * p.element_size() for p in model.parameters()) * 2, (total, shard)
+
+    _, grown_load = growth(lambda: opt.load_state_dict(full))
+    for t in pieces:
+        assert list(state.get(t, {})) == list(mine[id(t)]), (t.shape, list(mine[id(t)]))
+        for k, v in state.get(t, {}).items():
+            device, want = mine[id(t)][k]
+            assert v.device == device and v.dtype == want.dtype and torch.equal(v.cpu(), want), (k, v, want)
+    train(1)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().double().numpy()
+    every = np.empty((size, flat.size))
+    dml.allgather(backend, flat, every)
+    assert (every == every[0]).all(), "the replicas differ after the round trip"
+
+    if cuda:
+        assert total > entry + SLACK, "the model is too small for the memory check to mean anything"
+        for what, grown in [
+            ("state_dict()", grown_first),
+            ("state_dict(to=None)", grown_all),
+            ("load_state_dict(full)", grown_load),
+        ]:
+            assert grown <= entry + SLACK, (
+                f"rank {rank}: {what} raised the peak of device memory by {grown} bytes; allowed: this rank's "
+                f"shard of one entry ({entry}) + {SLACK} (the full state: {total})"
+            )
+    return {
+        "entry": entry,
+        "shard": shard,
+        "full": total,
+        "state_dict": grown_first,
+        "state_dict_to_none": grown_all,
+        "load_state_dict": grown_load,
+    }
 
 
 # -- errors -----------------------------------------------------------------------------------------
@@ -528,7 +756,7 @@ def special_parameters_body(backend: dml.Backend, kind: str) -> None:
             opt.step()
         for p, q in zip([*models[0].parameters(), extra[0]], [*models[1].parameters(), extra[1]], strict=True):
             check_close(backend, p.detach(), q.detach(), f"step {step}", None)
-    _state_equal(backend, opts[0].state_dict(), opts[1].state_dict(), None)
+    consolidated_equal(backend, opts[0], opts[1], None)
 
 
 def synchronize_body(backend: dml.Backend) -> None:
@@ -604,7 +832,8 @@ def extras_body(backend: dml.Backend) -> None:
         opt = dml.DistributedOptimizer(backend, torch.optim.Adam(frozen.parameters()), shard_state=sharded)
         opt.zero_grad()
         opt.step()
-        assert opt.state_dict()["state"] == {}
+        state = opt.state_dict()
+        assert state is None if sharded and rank > 0 else state["state"] == {}, state
     for got, want in zip(*results, strict=True):
         check_close(backend, got, want, "extras", None)
 

@@ -46,6 +46,8 @@ def main(names: list[str]) -> None:
         "special": lambda: each(sb.special_parameters_body, "adam", "adagrad"),
         "synchronize": lambda: guarded(sb.synchronize_body, world) or "ok",
         "extras": lambda: guarded(sb.extras_body, world) or "ok",
+        "state": lambda: len(guarded(sb.state_to_body, world)),
+        "state_memory": lambda: guarded(sb.state_memory_body, world, "cpu")["full"],
         "ring": lambda: guarded(sb.ring_body, world),
     }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from sharded_bodies import (
     clip_body,
     equivalence_body,
     errors_body,
+    every_rank_resumed,
     extras_body,
     fixed_case,
     kinds_body,
@@ -30,6 +32,8 @@ from sharded_bodies import (
     save_body,
     shard_cases,
     special_parameters_body,
+    state_memory_body,
+    state_to_body,
     synchronize_body,
 )
 
@@ -59,28 +63,40 @@ def test_every_elementwise_optimizer(kind: str, world: int) -> None:
 def test_checkpoint_saved_at_3_resumes_at_2_and_1(tmp_path: object, saver: bool, loader: bool) -> None:
     """op=MAX over the same data on every rank makes the run independent of W bit for bit (resume_body)."""
     uninterrupted = dml.LocalBackend.spawn(1, resume_body, 6, None, timeout=60)[0]
-    checkpoints_equal(dml.LocalBackend.spawn(3, resume_body, 6, None, timeout=60)[1], uninterrupted)
+    every_rank_resumed(dml.LocalBackend.spawn(3, resume_body, 6, None, timeout=60), uninterrupted, True)
     path = str(tmp_path / "checkpoint.pt")  # type: ignore[operator]
     dml.LocalBackend.spawn(3, save_body, path, 3, saver, timeout=60)
     for world in (2, 1):
-        for resumed in dml.LocalBackend.spawn(world, load_body, path, 3, loader, timeout=60):
-            checkpoints_equal(resumed, uninterrupted)
+        every_rank_resumed(dml.LocalBackend.spawn(world, load_body, path, 3, loader, timeout=60), uninterrupted, loader)
+
+
+class _Asked(dml.ShardedOptimizer):
+    """Records the ``to`` of every ``state_dict`` call ("none given" when the caller passed none)."""
+
+    asked: list[Any]
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self.asked.append(kwargs.get("to", args[0] if args else "none given"))
+        return super().state_dict(*args, **kwargs)
 
 
 def _save_live_optimizer(backend: dml.Backend, path: str) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 3)
-    opt = dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters(), lr=0.1), shard_state=True)
+    opt = _Asked(backend, torch.optim.Adam(model.parameters(), lr=0.1))
+    opt.asked = []
     for _ in range(2):
         opt.zero_grad()
         model(torch.randn(4, 6, generator=torch.Generator().manual_seed(backend.rank))).pow(2).mean().backward()
         opt.step()
     dml.save(backend, {"opt": opt}, path)  # the optimizer itself: dml.save asks every rank for its state
-    return opt.state_dict()
+    assert opt.asked == [0], f"dml.save asked for the state with to={opt.asked}, not to=0 (the rank that writes)"
+    return opt.state_dict(to=None)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_dml_save_of_the_sharded_optimizer_itself_writes_its_full_state(tmp_path: object, world: int) -> None:
+    """dml.save consolidates the state on rank 0 alone (state_dict(to=0)), the rank that writes it."""
     path = str(tmp_path / "opt.pt")  # type: ignore[operator]
     full = dml.LocalBackend.spawn(world, _save_live_optimizer, path, timeout=60)[0]
     saved = dml.LocalBackend.spawn(1, lambda b: dml.load(b, path), timeout=60)[0]["opt"]
@@ -89,6 +105,22 @@ def test_dml_save_of_the_sharded_optimizer_itself_writes_its_full_state(tmp_path
     for i, entries in full["state"].items():
         for k, v in entries.items():
             assert torch.equal(saved["state"][i][k], v), (i, k)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_state_dict_consolidates_on_one_rank_on_the_cpu(world: int) -> None:
+    """state_dict(to): rank `to` alone (None on the others), on the CPU; to=None on every rank; a bad `to` raises
+    on every rank before any communication; loading None, or what is no state, raises and changes nothing."""
+    seen = dml.LocalBackend.spawn(world, state_to_body, timeout=60)
+    assert all(s == seen[0] for s in seen) and len(seen[0]) == (12 if world > 1 else 11), seen
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_state_round_trip_of_the_memory_check(world: int) -> None:
+    """The GPU job's memory body, on the CPU: the round trip through state_dict() and load_state_dict()."""
+    every = dml.LocalBackend.spawn(world, state_memory_body, "cpu", timeout=120)
+    assert all(e["full"] == every[0]["full"] for e in every)
+    assert sum(e["shard"] for e in every) == every[0]["full"], every  # each element's state on one rank
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -164,7 +196,7 @@ def test_one_idea_for_users() -> None:
 def test_sharded_job_under_mpiexec(ranks: int) -> None:
     job = run_mpi(ranks, ["tests/sharded_job.py"], timeout=300)
     assert job.returncode == 0, job.output[-8000:]
-    checks = "equivalence variants kinds errors bad_input memory clip special synchronize extras"
+    checks = "equivalence variants kinds errors bad_input memory clip special synchronize extras state state_memory"
     assert f"SHARDED CHECKS PASSED: {checks} on {ranks} ranks" in job.output, job.output[-8000:]
     for check in checks.split():
         assert job.output.count(f"check {check} passed") == ranks, job.output[-8000:]
