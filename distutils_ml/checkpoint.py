@@ -31,7 +31,7 @@ import stat
 import time
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 import numpy as np
@@ -69,8 +69,33 @@ def _check_path(path: Any, caller: str) -> str:
     return text
 
 
-def _state_of(obj: Any) -> Any:
-    """``obj`` with live objects replaced by their state, containers rebuilt recursively (same types)."""
+_DESCEND = object()  # a leaf function's answer: not a leaf, rebuild the container around its items
+
+
+def _rebuilt(obj: Any, leaf: Callable[[Any, str], Any], where: str = "obj") -> Any:
+    """``obj`` with ``leaf(x, where)`` in place of each item ``x`` for which it does not return ``_DESCEND``.
+
+    dicts, lists, tuples, namedtuples and dataclasses are rebuilt with the same types (frozen
+    dataclasses too); anything else is kept as it is. ``where`` names the item (``obj['opt']``).
+    """
+    out = leaf(obj, where)
+    if out is not _DESCEND:
+        return out
+    if type(obj) in (dict, OrderedDict):
+        return type(obj)((k, _rebuilt(v, leaf, f"{where}[{k!r}]")) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(_rebuilt(v, leaf, f"{where}[{i}]") for i, v in enumerate(obj))
+    if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):  # namedtuple
+        return type(obj)(*(_rebuilt(getattr(obj, f), leaf, f"{where}.{f}") for f in type(obj)._fields))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(new, f.name, _rebuilt(getattr(obj, f.name), leaf, f"{where}.{f.name}"))
+        return new
+    return obj
+
+
+def _state_leaf(obj: Any, where: str) -> Any:
     if isinstance(obj, (torch.Tensor, np.ndarray, type)):
         return obj
     if callable(getattr(obj, "state_dict", None)):  # modules, optimizers, schedulers, StatefulDataLoader
@@ -79,42 +104,63 @@ def _state_of(obj: Any) -> Any:
         return {"epoch": obj.epoch}
     if isinstance(obj, torch.utils.data.DataLoader):
         raise TypeError(
-            "save: a torch.utils.data.DataLoader has no state to save (resumed, it starts its epoch from the "
-            "beginning); save the DistributedDataContainer instead (its epoch), and for a mid-epoch resume "
-            "use torchdata's StatefulDataLoader, which saves its position"
+            f"save: a torch.utils.data.DataLoader has no state to save ({where}; resumed, it starts its "
+            "epoch from the beginning); save the DistributedDataContainer instead (its epoch), and for a "
+            "mid-epoch resume use torchdata's StatefulDataLoader, which saves its position"
         )
-    if type(obj) in (dict, OrderedDict):
-        return type(obj)((k, _state_of(v)) for k, v in obj.items())
-    if type(obj) is list:
-        return [_state_of(v) for v in obj]
-    if type(obj) is tuple:
-        return tuple(_state_of(v) for v in obj)
-    if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):  # namedtuple
-        return type(obj)(*(_state_of(v) for v in obj))
-    if dataclasses.is_dataclass(obj):
-        new = copy.copy(obj)
-        for f in dataclasses.fields(obj):
-            object.__setattr__(new, f.name, _state_of(getattr(obj, f.name)))  # frozen dataclasses too
-        return new
-    return obj
+    return _DESCEND
 
 
-def _collective_states(obj: Any) -> Any:
-    """``obj`` with every sharded optimizer replaced by its ``state_dict(to=0)``, on every rank (a collective).
+def _state_of(obj: Any) -> Any:
+    """``obj`` with live objects replaced by their state, containers rebuilt recursively (same types)."""
+    return _rebuilt(obj, _state_leaf)
 
-    A ``dml.ShardedOptimizer`` consolidates its state from every rank's shard, so every rank
-    must ask for it, in the same order: the same walk on every rank, before rank 0 writes.
-    Only rank 0, the writer, receives the full state (on the CPU); the other ranks get None.
-    """
+
+def _sharded_at(obj: Any) -> list[str]:
+    """Where ``obj`` holds sharded optimizers (``obj['opt']``...), in the order ``_collective_states`` asks them."""
     from distutils_ml.sharded import ShardedOptimizer
 
-    if isinstance(obj, ShardedOptimizer):
-        return obj.state_dict(to=0)
-    if type(obj) in (dict, OrderedDict):
-        return type(obj)((k, _collective_states(v)) for k, v in obj.items())
-    if type(obj) in (list, tuple):
-        return type(obj)(_collective_states(v) for v in obj)
-    return obj
+    found: list[str] = []
+
+    def leaf(x: Any, where: str) -> Any:
+        if isinstance(x, ShardedOptimizer):
+            found.append(where)
+            return x
+        return x if isinstance(x, (torch.Tensor, np.ndarray, type)) else _DESCEND
+
+    _rebuilt(obj, leaf)
+    return found
+
+
+def _collective_states(backend: Backend, obj: Any) -> Any:
+    """``obj`` with every sharded optimizer replaced by its ``state_dict(to=0)``, on every rank (collectives).
+
+    A ``dml.ShardedOptimizer`` consolidates its state from every rank's shard, so every rank must
+    ask for it, in the same order. The ranks first compare where their ``obj`` holds sharded
+    optimizers (one small allgather) and all raise the same ``ValueError`` where they differ:
+    otherwise some would wait for the others' shards forever. Only rank 0, the writer, receives
+    the full state (on the CPU); the other ranks get None.
+    """
+    places = allgather_object(backend, _sharded_at(obj))
+    if any(p != places[0] for p in places):
+        differ = [r for r, p in enumerate(places) if p != places[0]]
+        raise ValueError(
+            f"save: obj holds sharded optimizers at {', '.join(places[0]) or 'no place'} on rank 0 but at "
+            f"{', '.join(places[differ[0]]) or 'no place'} on rank {differ[0]} ({len(differ)} rank(s) differ). A "
+            "DistributedOptimizer(shard_state=True) is saved from every rank's shard of its state, so every rank "
+            "must pass it in the same place: pass the same structure on every rank (only rank 0's other objects "
+            "are written)"
+        )
+    if not places[0]:
+        return obj
+    from distutils_ml.sharded import ShardedOptimizer
+
+    def leaf(x: Any, where: str) -> Any:
+        if isinstance(x, ShardedOptimizer):
+            return x.state_dict(to=0)
+        return x if isinstance(x, (torch.Tensor, np.ndarray, type)) else _DESCEND
+
+    return _rebuilt(obj, leaf)
 
 
 def _leftover_temporaries(path: str) -> list[str]:
@@ -367,7 +413,7 @@ def save(backend: Backend, obj: Any, path: str | os.PathLike[str]) -> None:
     """
     check_backend(backend, "save")
     path = _check_path(path, "save")
-    obj = _collective_states(obj)  # sharded optimizers: every rank takes part in consolidating their state
+    obj = _collective_states(backend, obj)  # sharded optimizers: every rank takes part in consolidating their state
     # Rank 0 writes inside the collective: the others wait in it, not before it (no stall report).
     what = f"save: could not write the checkpoint {path!r}"
     run_on_root(backend, lambda: _write_atomic(_state_of(obj), path), what=what)

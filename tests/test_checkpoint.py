@@ -155,6 +155,45 @@ def test_live_objects_inside_namedtuples_and_dataclasses_become_their_state(tmp_
         assert state.opt["param_groups"] == opt_sd["param_groups"]
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_sharded_optimizer_inside_a_dataclass_or_namedtuple_is_saved_whole(tmp_path: Path, world: int) -> None:
+    path = tmp_path / "sharded.pt"
+
+    def body(b: dml.Backend) -> Any:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+        opt = dml.DistributedOptimizer(b, torch.optim.Adam(model.parameters(), lr=0.1), shard_state=True)
+        model(torch.randn(4, 5) + dml.local_rank(b)).square().sum().backward()
+        opt.step()
+        save(b, {"state": TrainState(opt, Pair(model, 3)), "pair": Pair(opt, 4)}, path)
+        return load(b, path, weights_only=False), opt.state_dict(to=None)
+
+    for got, full in dml.LocalBackend.spawn(world, body, timeout=60):
+        for saved in (got["state"].opt, got["pair"].model):
+            assert saved["param_groups"] == full["param_groups"] and saved["state"].keys() == full["state"].keys()
+            for i, entries in full["state"].items():
+                assert all(torch.equal(saved["state"][i][k], v) for k, v in entries.items()), (i, entries.keys())
+
+
+def test_ranks_that_pass_sharded_optimizers_in_different_places_all_raise(tmp_path: Path) -> None:
+    # The docs say only rank 0's object is written; a sharded optimizer's state still needs every rank's shard,
+    # so a rank that passes something else must make every rank raise, not leave rank 0 waiting for its shard.
+    path = tmp_path / "uneven.pt"
+
+    def body(b: dml.Backend) -> tuple[str, str]:
+        model = torch.nn.Linear(3, 2)
+        opt = dml.DistributedOptimizer(b, torch.optim.SGD(model.parameters(), lr=0.1), shard_state=True)
+        obj = {"opt": opt} if dml.local_rank(b) == 0 else {"opt": None}
+        got = outcome(lambda: save(b, obj, path))
+        dml.barrier(b)  # every rank is still in step: nothing is left waiting
+        return got
+
+    results = dml.LocalBackend.spawn(3, body, timeout=60)
+    assert all(r[0] == "ValueError" for r in results), results
+    assert "sharded optimizers at obj['opt'] on rank 0 but at no place on rank 1" in results[0][1]
+    assert not path.exists()
+
+
 def test_a_plain_dataloader_is_refused_on_every_rank(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.pt"
 
