@@ -378,7 +378,9 @@ def save(backend: Backend, obj: Any, path: str | os.PathLike[str]) -> None:
     Restore them with ``load_state_dict`` and ``set_epoch``. A plain
     ``torch.utils.data.DataLoader`` holds no position and is refused (``TypeError``):
     with it, a resumed run starts the saved epoch from its first batch. Only rank 0's
-    ``obj`` is read; the other ranks' ``obj`` is ignored.
+    ``obj`` is read; the other ranks' ``obj`` is ignored, except that a sharded optimizer
+    (``shard_state=True``) must stand at the same place in every rank's ``obj``: its state is
+    consolidated from every rank's shard (a ``ValueError`` on every rank otherwise).
 
     The file is written by ``torch.save`` (with CRC-32s, which ``load`` checks) to a
     temporary file in the same directory, flushed, fsynced and renamed over ``path``, so
