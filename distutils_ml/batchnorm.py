@@ -1,12 +1,16 @@
 """``SyncBatchNorm``: batch normalization over the batches of every rank, and the allreduce it needs.
 
 ``torch.nn.SyncBatchNorm`` reduces its statistics over a ``torch.distributed`` process
-group. :class:`SyncBatchNorm` does the same over a backend: each rank's per-channel
-sum, sum of squares and element count travel in one tensor, reduced by one
-:func:`allreduce_autograd` (an ``allreduce`` that autograd differentiates: the gradient
-of a sum over ranks is the sum of the ranks' gradients, one more allreduce during
-``backward()``). Mean and variance over the global batch then enter a differentiable
-formula, so autograd derives the backward pass, communication included.
+group. :class:`SyncBatchNorm` does the same over a backend, as torch does: each rank
+computes its per-channel element count, mean and variance (``torch.var_mean``, a
+numerically stable pass over its batch), one ``allgather`` brings every rank's triple
+to every rank, and each rank combines the same table with Chan et al.'s parallel
+formula (global mean ``sum(n_r m_r) / N``, variance ``sum(n_r (v_r + (m_r - mean)^2)) / N``),
+so every rank gets the same bits. Sums of ``x`` and ``x * x`` would lose the variance to
+cancellation when a channel's mean is large next to its spread. The combination is a
+``torch.autograd.Function`` whose backward makes one allreduce of the ranks' gradients of
+the global statistics (:func:`allreduce_autograd`, differentiable itself); autograd
+derives the rest of the backward pass, to any order.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 import torch
 
 from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
-from distutils_ml.collectives import allreduce
+from distutils_ml.collectives import allgather, allreduce
 from distutils_ml.objects import allgather_object
 
 __all__ = ["SyncBatchNorm", "allreduce_autograd", "convert_sync_batchnorm"]
@@ -86,15 +90,45 @@ def allreduce_autograd(backend: Backend, tensor: torch.Tensor, op: Any = ReduceO
     return _AllReduce.apply(tensor.cpu(), backend, resolved).to(tensor.device)
 
 
+class _GlobalMoments(torch.autograd.Function):
+    """The global batch's mean and biased variance per channel, from every rank's (count, mean, variance)."""
+
+    @staticmethod
+    def forward(  # noqa: PLR0917 - private; autograd passes the inputs positionally
+        ctx: Any, mean: torch.Tensor, var: torch.Tensor, table: torch.Tensor, count: int, total: int, backend: Backend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # table: every rank's row [count, failure flag, mean, variance], the same on every rank (this rank's row
+        # holds mean and var). Only the table enters the result, so every rank computes the same bits.
+        c = mean.numel()
+        counts, means, variances = table[:, :1], table[:, 2 : 2 + c], table[:, 2 + c :]
+        glob = (counts * means).sum(0) / total
+        glob_var = (counts * (variances + (means - glob) ** 2)).sum(0) / total
+        ctx.save_for_backward(mean, glob)
+        ctx.backend, ctx.share = backend, count / total
+        return glob, glob_var
+
+    @staticmethod
+    def backward(ctx: Any, grad_mean: torch.Tensor, grad_var: torch.Tensor) -> tuple[Any, ...]:
+        # Every rank's loss depends on this rank's (mean, var) through the global statistics only, whose
+        # derivatives with respect to this rank's row are the same on every rank: sum the ranks' gradients
+        # of the global statistics (one allreduce, differentiable for a double backward), then apply them:
+        # d glob / d mean = share, d glob_var / d mean = 2 share (mean - glob), d glob_var / d var = share.
+        mean, glob = ctx.saved_tensors
+        g_mean, g_var = allreduce_autograd(ctx.backend, torch.cat([grad_mean, grad_var]), ReduceOp.SUM).chunk(2)
+        return ctx.share * (g_mean + 2 * (mean - glob) * g_var), ctx.share * g_var, None, None, None, None
+
+
 class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     """Batch normalization whose batch statistics cover every rank's batch.
 
     In training (and whenever running statistics are not tracked), the mean and
     variance per channel are those of the global batch: the concatenation of every
-    rank's input along dimension 0. Each forward makes one allreduce of
-    ``2 * num_features + 2`` numbers (sums, sums of squares, the element count and a
-    failure flag), and its backward pass one more; the ranks may hold batches of
-    different sizes, 0 included. ``running_mean``, ``running_var`` and
+    rank's input along dimension 0. Each forward makes one allgather of
+    ``2 * num_features + 2`` numbers per rank (the rank's element count, a failure flag,
+    its per-channel means and variances, which every rank combines with Chan et al.'s
+    parallel formula: accurate for channel means far from zero too), and its backward
+    pass one allreduce of ``2 * num_features``; the ranks may hold batches of different
+    sizes, 0 included. ``running_mean``, ``running_var`` and
     ``num_batches_tracked`` change as ``torch.nn.BatchNorm`` would on the global batch
     (unbiased variance, ``momentum=None`` for a cumulative average). In eval mode with
     running statistics it is plain BatchNorm: no communication. In a world of one it
@@ -170,14 +204,26 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         if failure is None:
             work = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
             dims = [0, *range(2, x.dim())]
-            local = torch.cat([work.sum(dims), (work * work).sum(dims), work.new_tensor([x.numel() // c, 0])])
-        else:  # zeros and a raised flag: every rank learns that some rank failed, and raises
+            shape = [1, c] + [1] * (x.dim() - 2)
+            count = x.numel() // c
+            if count:  # torch's own numerically stable pass: deviations from this rank's mean
+                var, mean = torch.var_mean(work, dims, correction=0)
+            else:  # zeros in the graph, so that this rank takes part in the backward's collective too
+                var = mean = work.sum(dims)
+            row = torch.cat([work.new_tensor([count, 0]), mean.detach(), var.detach()])
+        else:  # a raised flag: every rank learns that some rank failed, and raises
             device, dtype = self._reference()
-            local = torch.zeros(2 * c + 2, device=device, dtype=dtype)
-            local[-1] = 1
-        total = allreduce_autograd(self.backend, local, ReduceOp.SUM)
-        n, failed = (int(v) for v in total[-2:].tolist())
-        if failed:
+            row = torch.zeros(2 * c + 2, device=device, dtype=dtype)
+            row[1] = 1
+        # A backend that stages device buffers through the host gets host tensors here, so that the backward's
+        # collective runs on the thread that called backward() (as allreduce_autograd does).
+        staged = row.device.type != "cpu" and not self.backend.takes_device_buffers
+        if staged:
+            row = row.cpu()
+        table = allgather(self.backend, row, row.new_empty(self.backend.size, 2 * c + 2))
+        head = table[:, :2].tolist()
+        n = sum(int(k) for k, _ in head)
+        if any(flag for _, flag in head):
             _raise_on_every_rank(self.backend, failure)
 
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
@@ -187,16 +233,18 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
                 f"Expected more than 1 value per channel when training, got 1 over all {self.backend.size} ranks "
                 f"(this rank's input size {list(x.shape)})"
             )
-        mean = total[:c] / max(n, 1)
-        var = (total[c : 2 * c] / max(n, 1) - mean * mean).clamp(min=0)
-        shape = [1, c] + [1] * (x.dim() - 2)
-        y = (work - mean.view(shape)) * torch.rsqrt(var + self.eps).view(shape)
+        if staged:
+            glob, glob_var = _GlobalMoments.apply(mean.cpu(), var.cpu(), table, count, max(n, 1), self.backend)
+            glob, glob_var = glob.to(work.device), glob_var.to(work.device)
+        else:
+            glob, glob_var = _GlobalMoments.apply(mean, var, table, count, max(n, 1), self.backend)
+        y = (work - glob.view(shape)) * torch.rsqrt(glob_var + self.eps).view(shape)
         if self.weight is not None:
             y = y * self.weight.view(shape)
         if self.bias is not None:
             y = y + self.bias.view(shape)
         if self.training and self.track_running_stats and n > 0:
-            self._update_running_stats(mean.detach(), var.detach() * (n / (n - 1)))
+            self._update_running_stats(glob.detach(), glob_var.detach() * (n / (n - 1)))
         return y.to(x.dtype)
 
     def _local_failure(self, x: Any) -> Exception | None:

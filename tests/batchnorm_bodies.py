@@ -213,6 +213,164 @@ def half_body(backend: dml.Backend, device: str = "cpu") -> None:
     close(ours.running_var, ref.running_var, 1e-5, "running_var from bfloat16 input")
 
 
+# -- channel means far from zero next to the spread ------------------------------------------------------
+
+SLACK = 16  # each bound of shifted_body is this many times its estimate (the worst in 2000 drawn cases: 4 times)
+OFFSETS = (0.0, 1e2, 1e3, 3e3, 1e4, -1e2, -1e3, -3e3, -1e4)
+MAX_RATIO = 1e4  # |offset| / scale: float32 still holds the spread next to the offset to about 1e-3
+
+
+@dataclass(frozen=True)
+class Shifted:
+    """Batches of ``offset + scale * (randn + rank)``: a channel mean far from zero next to the spread."""
+
+    sizes: tuple[int, ...]  # this case's batch size on each rank (0 allowed)
+    channels: int
+    spatial: tuple[int, ...]  # (), (L,) or (H, W)
+    offset: float
+    scale: float
+    dtype: str  # "float32" or "float64"
+    affine: bool
+    momentum: float | None
+    steps: int
+    seed: int
+
+
+@st.composite
+def shifted_cases(draw: st.DrawFn, world: int) -> Shifted:
+    """A random case for ``world`` ranks with offsets up to 1e4 and scales from 1e-3 to 1e2."""
+    ndim = draw(st.sampled_from([2, 3, 4]))
+    spatial = tuple(draw(st.integers(1, 3)) for _ in range(ndim - 2))
+    sizes = draw(st.lists(st.integers(0, 5), min_size=world, max_size=world))
+    if sum(sizes) * math.prod(spatial) < 2:
+        sizes[draw(st.integers(0, world - 1))] = 2
+    offset = draw(st.sampled_from(OFFSETS) | st.floats(-1e4, 1e4))
+    lowest = max(-3.0, math.log10(abs(offset) / MAX_RATIO)) if abs(offset) > 1 else -3.0
+    return Shifted(
+        sizes=tuple(sizes),
+        channels=draw(st.integers(1, 3)),
+        spatial=spatial,
+        offset=offset,
+        scale=10 ** draw(st.floats(lowest, 2.0)),
+        dtype=draw(st.sampled_from(["float32", "float32", "float64"])),
+        affine=draw(st.booleans()),
+        momentum=draw(st.sampled_from(MOMENTA)),
+        steps=draw(st.integers(1, 2)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def normal(seed: int, shape: tuple[int, ...], *key: int) -> torch.Tensor:
+    """Standard normal float64 values for ``key`` (the same on every rank)."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(hash((seed, *key)) % 2**63), dtype=torch.float64)
+
+
+def near(got: torch.Tensor, want: torch.Tensor, bound: float, what: str) -> None:
+    """``got`` is within ``SLACK * bound`` of the float64 reference ``want``, everywhere."""
+    err = (got.detach().cpu().double() - want.detach()).abs().max().item() if want.numel() else 0.0
+    assert err <= SLACK * bound, f"{what}: max error {err:.3g} > {SLACK} * {bound:.3g}"
+
+
+def shifted_body(backend: dml.Backend, case: Shifted, device: str = "cpu") -> None:
+    """Large channel means: outputs, gradients and running statistics as accurate as the dtype allows.
+
+    The reference is ``torch.nn.BatchNorm`` in float64 on the concatenated batch (of the same
+    values). Normalizing ``x`` has the condition number ``1 + max|x| / std``: rounding the
+    mean to the dtype alone moves ``x - mean`` by a unit roundoff of ``max|x|``. Each bound
+    is the unit roundoff times that condition number times the quantity's natural size;
+    statistics from sums of ``x`` and ``x * x`` err by its square instead (10^4 times
+    more at an offset of 10^4 standard deviations). The ranks' means differ by a few
+    ``scale``, so the combination across ranks counts too.
+    """
+    rank = backend.rank
+    dtype = getattr(torch, case.dtype)
+    unit = torch.finfo(dtype).eps / 2
+    ours = dml.SyncBatchNorm(
+        backend, case.channels, momentum=case.momentum, affine=case.affine, device=device, dtype=dtype
+    )
+    ref = torch_batchnorm(2 + len(case.spatial))(
+        case.channels, momentum=case.momentum, affine=case.affine, dtype=torch.float64
+    )
+    size = 1.0  # max |weight| + max |bias|: the output's scale
+    if case.affine:
+        with torch.no_grad():
+            for p, q, k in ((ours.weight, ref.weight, 1), (ours.bias, ref.bias, 2)):
+                v = normal(case.seed, (case.channels,), -1, k).to(dtype)
+                p.copy_(v)
+                q.copy_(v)
+        size = ref.weight.abs().max().item() + ref.bias.abs().max().item()
+    start = sum(case.sizes[:rank])
+    mine = slice(start, start + case.sizes[rank])
+    shape = lambda n: (n, case.channels, *case.spatial)  # noqa: E731
+    dims = [0, *range(2, 2 + len(case.spatial))]
+    worst, reach = 1.0, 1.0  # over the steps so far: the condition number, the largest |x| + 1
+
+    for step in range(case.steps):
+        xs = [
+            (case.offset + case.scale * (normal(case.seed, shape(n), step, r) + r)).to(dtype)
+            for r, n in enumerate(case.sizes)
+        ]
+        ups = [normal(case.seed, shape(n), step, r, 7).to(dtype) for r, n in enumerate(case.sizes)]
+        x = xs[rank].to(device, copy=True).requires_grad_()
+        ours.zero_grad()
+        y = ours(x)
+        (y * ups[rank].to(device)).sum().backward()
+        big = torch.cat(xs).double().requires_grad_()
+        up = torch.cat(ups).double()
+        ref.zero_grad()
+        want = ref(big)
+        (want * up).sum().backward()
+
+        var = big.detach().var(dims, unbiased=False)
+        cond = 1 + (big.detach().abs().amax(dims) / var.sqrt()).max().item()
+        worst, reach = max(worst, cond), max(reach, 1 + big.detach().abs().max().item())
+        scaled = (ref.weight.detach().abs() if case.affine else 1) / (var + ours.eps).sqrt()
+        mass = up.abs().sum(dims).max().item()  # the largest sum of |dy| over a channel
+
+        near(y, want[mine], unit * cond * (1 + size), f"step {step}: output")
+        near(x.grad, big.grad[mine], unit * cond * scaled.max().item() * up.abs().max().item(), f"step {step}: dx")
+        if case.affine:
+            for name in ("weight", "bias"):
+                got = summed(backend, getattr(ours, name).grad)
+                near(got, getattr(ref, name).grad, unit * cond * mass, f"step {step}: {name} gradient over ranks")
+        near(ours.running_mean, ref.running_mean, unit * reach, f"step {step}: running_mean")
+        near(
+            ours.running_var,
+            ref.running_var,
+            unit * worst * (1 + ref.running_var.max().item()),
+            f"step {step}: running_var",
+        )
+    world_usable(backend)
+
+
+def second_order_body(backend: dml.Backend, device: str = "cpu") -> None:
+    """A gradient penalty (a double backward) through the layer equals BatchNorm's on the global batch."""
+    rank, world = backend.rank, backend.size
+    xs = [normal(r, (3 + r, 2, 4), 0) * 2 + 5 for r in range(world)]
+    us = [normal(r, (3 + r, 2, 4), 1) for r in range(world)]
+    vs = [normal(r, (3 + r, 2, 4), 2) for r in range(world)]
+    ours = dml.SyncBatchNorm(backend, 2, device=device, dtype=torch.float64)
+    ref = nn.BatchNorm1d(2, dtype=torch.float64)
+    with torch.no_grad():
+        for p, q in ((ours.weight, ref.weight), (ours.bias, ref.bias)):
+            p.copy_(torch.tensor([1.5, -0.5]))
+            q.copy_(p)
+    start = sum(3 + r for r in range(rank))
+    mine = slice(start, start + 3 + rank)
+
+    x = xs[rank].to(device, copy=True).requires_grad_()
+    (gx,) = torch.autograd.grad((ours(x) * us[rank].to(device)).sum(), x, create_graph=True)
+    (gx * vs[rank].to(device)).sum().backward()
+    big = torch.cat(xs).requires_grad_()
+    (g,) = torch.autograd.grad((ref(big) * torch.cat(us)).sum(), big, create_graph=True)
+    (g * torch.cat(vs)).sum().backward()
+
+    close(gx, g[mine], 1e-10, "first derivative")
+    close(x.grad, big.grad[mine], 1e-10, "second derivative: input")
+    close(summed(backend, ours.weight.grad), ref.weight.grad, 1e-10, "second derivative: weight, over ranks")
+    world_usable(backend)
+
+
 # -- allreduce_autograd -----------------------------------------------------------------------------------
 
 
@@ -475,6 +633,7 @@ def training_body(backend: dml.Backend) -> None:
 # The bodies that take only the backend, run on every world size.
 BODIES: list[Callable[[dml.Backend], None]] = [
     half_body,
+    second_order_body,
     allreduce_autograd_body,
     allreduce_autograd_errors_body,
     too_few_values_body,

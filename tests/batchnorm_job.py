@@ -1,11 +1,12 @@
 """The MPI side of the SyncBatchNorm tests: ``mpiexec -n N python tests/batchnorm_job.py KIND``.
 
-KIND ``cpu``: the bodies of tests/batchnorm_bodies.py on the world backend (the property
-with hypothesis derandomized, so every rank draws the same cases; every body; every
-misuse by every rank), then the property and the misuses again on a debug-mode
-backend, which compares every collective's call site across ranks. KIND ``staged``
-(MPIBackend) and ``nccl`` (NCCLBackend): the bodies that take CUDA tensors. A failing
-body prints its rank, arguments and traceback and aborts the job. Rank 0 ends with
+KIND ``cpu``: the bodies of tests/batchnorm_bodies.py on the world backend (the
+properties of batchnorm_body and shifted_body with hypothesis derandomized, so every
+rank draws the same cases; every body; every misuse by every rank), then the first
+property and the misuses again on a debug-mode backend, which compares every
+collective's call site across ranks. KIND ``staged`` (MPIBackend) and ``nccl``
+(NCCLBackend): the bodies that take CUDA tensors. A failing body prints its rank,
+arguments and traceback and aborts the job. Rank 0 ends with
 ``BATCHNORM JOB PASSED: KIND on N ranks`` when all passed.
 """
 
@@ -23,14 +24,16 @@ import batchnorm_bodies as bodies
 from mpi_main import SETTINGS, guarded
 
 
-def property_checks(backend: dml.Backend, examples: int, device: str) -> int:
+def property_checks(backend: dml.Backend, examples: int, device: str, shifted: bool = False) -> int:
+    """``examples`` drawn cases of batchnorm_body, or of shifted_body (large channel means)."""
     count = 0
+    body, strategy = (bodies.shifted_body, bodies.shifted_cases) if shifted else (bodies.batchnorm_body, bodies.cases)
 
     @settings(SETTINGS, max_examples=examples)
-    @given(case=bodies.cases(backend.size))
-    def run(case: bodies.Case) -> None:
+    @given(case=strategy(backend.size))
+    def run(case: bodies.Case | bodies.Shifted) -> None:
         nonlocal count
-        guarded(bodies.batchnorm_body, backend, case, device)
+        guarded(body, backend, case, device)
         count += 1
 
     run()
@@ -60,6 +63,7 @@ def main(kind: str) -> None:
         checker = dml.MPIBackend(debug=True)
         detail = {
             "property": property_checks(world, 80, "cpu"),
+            "shifted": property_checks(world, 40, "cpu", shifted=True),
             "misuse": misuse_checks(world),
             "property_debug": property_checks(checker, 15, "cpu"),
             "misuse_debug": misuse_checks(checker),
@@ -68,8 +72,11 @@ def main(kind: str) -> None:
             guarded(body, world)
         detail["bodies"] = len(bodies.BODIES)
     else:
-        detail = {"property": property_checks(world, 10, "cuda")}
-        for body in (bodies.allreduce_autograd_body, bodies.half_body):
+        detail = {
+            "property": property_checks(world, 10, "cuda"),
+            "shifted": property_checks(world, 10, "cuda", shifted=True),
+        }
+        for body in (bodies.allreduce_autograd_body, bodies.half_body, bodies.second_order_body):
             guarded(body, world, "cuda")
     dml.print(world, f"batchnorm checks passed in {time.perf_counter() - start:.1f}s: {detail}")
     dml.barrier(world)

@@ -1,8 +1,8 @@
 """SyncBatchNorm, convert_sync_batchnorm and allreduce_autograd (distutils_ml/batchnorm.py).
 
-The bodies of tests/batchnorm_bodies.py on simulated ranks (W = 1..3), under real
-mpiexec with 2 and 3 ranks (tests/batchnorm_job.py, which also runs them on a
-debug-mode backend), and on CUDA tensors where there is a GPU.
+The bodies of tests/batchnorm_bodies.py on simulated ranks (W = 1..3; 1..4 for large
+channel means), under real mpiexec with 2 and 3 ranks (tests/batchnorm_job.py, which
+also runs them on a debug-mode backend), and on CUDA tensors where there is a GPU.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -42,6 +42,25 @@ def worlds_and_cases(draw: st.DrawFn) -> tuple[int, bodies.Case]:
 def test_matches_batchnorm_on_the_concatenated_batch(drawn: tuple[int, bodies.Case]) -> None:
     world, case = drawn
     dml.LocalBackend.spawn(world, bodies.batchnorm_body, case, timeout=60)
+
+
+@st.composite
+def worlds_and_shifted(draw: st.DrawFn) -> tuple[int, bodies.Shifted]:
+    world = draw(st.integers(1, 4))
+    return world, draw(bodies.shifted_cases(world))
+
+
+# The reviewer's reproduction, randn + 1000 on 2 ranks: statistics from sums of x and x * x put this output off by 0.09.
+REPRODUCTION = bodies.Shifted((8, 8), 3, (), 1e3, 1.0, "float32", True, 0.1, 2, 0)
+
+
+@settings(max_examples=80, deadline=None)
+@example(drawn=(2, REPRODUCTION))
+@given(drawn=worlds_and_shifted())
+def test_large_means_next_to_the_spread(drawn: tuple[int, bodies.Shifted]) -> None:
+    # Inputs offset by up to 1e4 from zero, spread by 1e-3 to 1e2: as accurate as the dtype allows.
+    world, case = drawn
+    dml.LocalBackend.spawn(world, bodies.shifted_body, case, timeout=60)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
