@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._foreach_utils import _device_has_foreach_support
 
 from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
 from distutils_ml.collectives import allgather, allreduce, reduce_scatter
@@ -55,7 +56,8 @@ from distutils_ml.tcpring import TcpRing, ring_for
 
 __all__ = ["ShardedOptimizer"]
 
-#: Optimizers whose update of each element depends only on that element's gradient and state.
+#: Optimizers whose update of each element depends only on that element's gradient and state (these exact
+#: classes: a subclass may compute per-tensor quantities, see ``check_shardable``).
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
     torch.optim.Adam,
@@ -69,6 +71,8 @@ ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adadelta,
     torch.optim.Rprop,
 )
+# Classes registered with ShardedOptimizer.register_elementwise, exactly (not their subclasses).
+_REGISTERED: set[type[torch.optim.Optimizer]] = set()
 # Optimizers whose math needs each parameter whole, and why.
 _WHOLE_TENSOR = {
     "LBFGS": "whose line search uses the norms and dot products of all gradients together",
@@ -83,22 +87,53 @@ _FIX = "Create DistributedOptimizer with shard_state=True and the same op, bucke
 _NAMES = ", ".join(c.__name__ for c in ELEMENTWISE)
 
 
-def check_shardable(optimizer: torch.optim.Optimizer) -> None:
-    """``TypeError`` unless each element of ``optimizer``'s update depends only on that element's data."""
+def _whole_tensor(cls: type) -> tuple[str, str] | None:
+    """(name, why) of the whole-tensor torch optimizer ``cls`` is or derives from, else None."""
     for name, why in _WHOLE_TENSOR.items():
-        cls = getattr(torch.optim, name, None)
-        if cls is not None and isinstance(optimizer, cls):
-            raise TypeError(
-                f"optimizer: got torch.optim.{name}, {why}; with shard_state=True every rank steps its own "
-                "W-th of each parameter's elements, which only elementwise optimizers allow. Use "
-                f"shard_state=False with it, or an elementwise optimizer ({_NAMES})"
-            )
-    if not isinstance(optimizer, ELEMENTWISE):
+        known = getattr(torch.optim, name, None)
+        if known is not None and issubclass(cls, known):
+            return name, why
+    return None
+
+
+def check_shardable(optimizer: torch.optim.Optimizer) -> None:
+    """``TypeError`` unless ``optimizer`` is of a class known to be elementwise (each element's update depends
+    only on that element's gradient and state), exactly: one of ``ELEMENTWISE`` or a registered class, not a
+    subclass of one; and none of its parameter groups asks for ``differentiable=True``."""
+    cls = type(optimizer)
+    name = cls.__qualname__
+    whole = _whole_tensor(cls)
+    if whole is not None:
         raise TypeError(
-            f"optimizer: got {type(optimizer).__qualname__}, not known to be elementwise; shard_state=True steps "
-            "each rank's W-th of every parameter's elements as 1-D pieces, which is right only when each "
-            f"element's update depends on nothing but its own gradient and state. Allowed: torch.optim.{_NAMES} "
-            "(and subclasses). Use shard_state=False for other optimizers"
+            f"optimizer: got {name} (torch.optim.{whole[0]}, {whole[1]}); with shard_state=True every rank steps "
+            "its own W-th of each parameter's elements, which only elementwise optimizers allow. Use "
+            f"shard_state=False with it, or an elementwise optimizer ({_NAMES})"
+        )
+    if cls not in ELEMENTWISE and cls not in _REGISTERED:
+        known = next((c for c in cls.__mro__[1:] if c in ELEMENTWISE or c in _REGISTERED), None)
+        where = "torch.optim." if known in ELEMENTWISE else ""
+        what = f"a subclass of {where}{known.__qualname__}" if known is not None else "not known to be elementwise"
+        raise TypeError(
+            f"optimizer: got {name}, {what}; shard_state=True steps each rank's W-th of every parameter's elements "
+            "as 1-D pieces of a flat buffer, which is right only when each element's update depends on nothing but "
+            "its own gradient and state. A subclass may compute per-tensor quantities (a norm, a trust ratio "
+            "||w|| / ||update|| as in LARS or LAMB), which would be computed on each piece instead of the whole "
+            f"parameter: wrong steps, no error. Accepted: exactly torch.optim.{_NAMES}, and classes registered as "
+            f"elementwise. Use shard_state=False with {name}; or, if every element's update of {name} depends only "
+            f"on that element's gradient and state, register it on every rank: "
+            f"dml.ShardedOptimizer.register_elementwise({name})"
+        )
+    for g, group in enumerate(optimizer.param_groups):
+        _check_group(group, f"parameter group {g}")
+
+
+def _check_group(group: dict[str, Any], which: str) -> None:
+    """``TypeError`` if parameter group ``group`` asks for what a sharded step cannot give."""
+    if group.get("differentiable"):
+        raise TypeError(
+            f"optimizer: {which} has differentiable=True; with shard_state=True the step updates pieces of a flat "
+            "buffer and allgathers them, which autograd does not follow, so the step would not be differentiable. "
+            "Use differentiable=False, or shard_state=False"
         )
 
 
@@ -175,12 +210,14 @@ class ShardedOptimizer(DistributedOptimizer):
       ``opt.state`` is empty: this rank's share is in ``opt.shard_optimizer.state``.
     - Gradients reduced by a backward are cleared with ``opt.zero_grad()`` before the
       next backward: accumulating into them raises ``RuntimeError``.
-    - Only elementwise optimizers: ``torch.optim.SGD``, ``Adam``, ``AdamW``, ``RMSprop``,
-      ``Adagrad``, ``Adamax``, ``NAdam``, ``RAdam``, ``ASGD``, ``Adadelta``, ``Rprop``.
+    - Only optimizers known to be elementwise: exactly ``torch.optim.SGD``, ``Adam``, ``AdamW``,
+      ``RMSprop``, ``Adagrad``, ``Adamax``, ``NAdam``, ``RAdam``, ``ASGD``, ``Adadelta``, ``Rprop``
+      (a subclass is refused: it may compute per-tensor quantities), and classes declared with
+      :meth:`register_elementwise`; not ``differentiable=True``.
 
     Args:
         backend: from ``dml.get_distributed_backend``.
-        optimizer: an elementwise ``torch.optim`` optimizer over the model's parameters.
+        optimizer: an elementwise optimizer over the model's parameters (see above).
         op: how gradients combine: ``dml.AVG`` (default) or another reduction.
         bucket_bytes: about how many bytes of gradients each reduce-scatter carries
             (default: as ``DistributedOptimizer``).
@@ -344,7 +381,10 @@ class ShardedOptimizer(DistributedOptimizer):
         self._scatter_state()
         for handle in self._hooks:
             handle.remove()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+        # Held: a leaf keeps its AccumulateGrad node only while someone does, and the pre-hooks live on it.
+        self._accumulators = [torch.autograd.graph.get_gradient_edge(p).node for p in params]
+        self._hooks = [node.register_prehook(self._before_accumulate) for node in self._accumulators]
+        self._hooks += [p.register_post_accumulate_grad_hook(self._hook) for p in params]
 
     def _bucket_members(self, params: list[torch.Tensor]) -> list[tuple[tuple[torch.dtype, torch.device], list[int]]]:
         """Parameter indices per bucket, in the order buckets are sent (reverse parameter order, as the reducer)."""
@@ -399,6 +439,60 @@ class ShardedOptimizer(DistributedOptimizer):
                 if k != "params":
                     inner[k] = v
 
+    @classmethod
+    def register_elementwise(cls, optimizer_class: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+        """Declare ``optimizer_class`` elementwise, so that ``shard_state=True`` accepts it.
+
+        Only the classes known to be elementwise are sharded: exactly ``torch.optim.SGD``, ``Adam``,
+        ``AdamW``, ``RMSprop``, ``Adagrad``, ``Adamax``, ``NAdam``, ``RAdam``, ``ASGD``, ``Adadelta`` and
+        ``Rprop``, not their subclasses, which may compute per-tensor quantities (LARS's or LAMB's trust
+        ratio ``||w|| / ||update||``) that a shard would compute on its pieces. Register a class whose update
+        of each element depends only on that element's gradient and state, on every rank (where the class
+        is defined). It covers that class alone, not its subclasses; registering again changes nothing.
+        The class must accept its own ``defaults`` as keyword arguments (the shard optimizer is created as
+        ``optimizer_class(param_groups, **defaults)``).
+
+        Args:
+            optimizer_class: a subclass of ``torch.optim.Optimizer`` (not one of ``LBFGS``, ``SparseAdam``,
+                ``Adafactor``, ``Muon``, which need whole tensors, or a subclass of them).
+
+        Returns:
+            ``optimizer_class`` (so it also works as a class decorator).
+
+        Raises:
+            TypeError: ``optimizer_class`` is not an optimizer class, or derives from a whole-tensor one.
+
+        Example:
+            >>> @dml.ShardedOptimizer.register_elementwise
+            ... class SignSGD(torch.optim.SGD):  # each element steps by the sign of its own gradient
+            ...     @torch.no_grad()
+            ...     def step(self, closure=None):
+            ...         for group in self.param_groups:
+            ...             for p in group["params"]:
+            ...                 if p.grad is not None:
+            ...                     p.add_(p.grad.sign(), alpha=-group["lr"])
+            >>> model = torch.nn.Linear(4, 1)
+            >>> opt = dml.DistributedOptimizer(backend, SignSGD(model.parameters(), lr=0.01), shard_state=True)
+        """
+        if not isinstance(optimizer_class, type) or not issubclass(optimizer_class, torch.optim.Optimizer):
+            given = (
+                f"an instance of {type(optimizer_class).__qualname__}"
+                if not isinstance(optimizer_class, type)
+                else optimizer_class.__qualname__
+            )
+            raise TypeError(
+                f"ShardedOptimizer.register_elementwise: optimizer_class: got {given}; allowed: a subclass of "
+                "torch.optim.Optimizer, the class itself (register_elementwise(MyOptimizer), not an instance)"
+            )
+        whole = _whole_tensor(optimizer_class)
+        if whole is not None:
+            raise TypeError(
+                f"ShardedOptimizer.register_elementwise: optimizer_class: got {optimizer_class.__qualname__}, "
+                f"derived from torch.optim.{whole[0]}, {whole[1]}: not elementwise. Use shard_state=False with it"
+            )
+        _REGISTERED.add(optimizer_class)
+        return optimizer_class
+
     @property
     def shard_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer that steps this rank's shard: the wrapped one's class over 1-D pieces of the parameters.
@@ -449,10 +543,8 @@ class ShardedOptimizer(DistributedOptimizer):
         if state is not None and state.task != task:
             self._second_backward()
         if state is None:
-            if self._skipped_task != task:
-                self._check_stale()
-                if self._skip_backward():
-                    self._skipped_task = task
+            if self._skipped_task != task and self._skip_backward():
+                self._skipped_task = task
             if self._skipped_task == task:
                 self._adopt(param)
                 return
@@ -487,19 +579,33 @@ class ShardedOptimizer(DistributedOptimizer):
             view.copy_(g.to_dense() if g.layout != torch.strided else g)
         param.grad = view
 
+    def _before_accumulate(self, grad_outputs: Any) -> None:
+        """Pre-hook of a parameter's AccumulateGrad node: a backward is about to add a gradient to its ``.grad``
+        (not called by ``torch.autograd.grad``, which adds nothing)."""
+        if self._stale:
+            self._check_stale()
+
     def _check_stale(self) -> None:
-        """Raise if the gradient buffers still hold a reduction that a backward would add to."""
+        """Raise if the gradient buffers still hold a reduction that a backward would add to.
+
+        Cleared gradients are fine: set to None or replaced (``zero_grad()``), or zeroed in place
+        (``zero_grad(set_to_none=False)``: adding to zeros is a fresh start). Anything else, nothing done or
+        only some zeroed or the reduction scaled (``clip_grad_norm_``), raises. Checked before the first
+        gradient of a backward is added (``_before_accumulate``), so the buffers still hold what the user left.
+        """
         if not self._stale:
             return
-        if not any(v is not None and p.grad is not None and _is_view(p.grad, v) for p, v in self._view_pairs()):
-            self._stale = False  # every gradient was cleared (model.zero_grad()) or replaced
+        views = [v for p, v in self._view_pairs() if v is not None and p.grad is not None and _is_view(p.grad, v)]
+        if not _any_nonzero(views):
+            self._stale = False
             return
         raise RuntimeError(
             "DistributedOptimizer(shard_state=True): a backward() would add to gradients that were already "
             "reduce-scattered (only this rank's shard of them holds the reduced values, so a second reduction "
-            "would be wrong). Call opt.zero_grad() after each step; accumulate micro-batches inside opt.no_sync() "
-            "(or with backward_passes_per_step) before the reducing backward, and call opt.synchronize() only after "
-            "the step's last backward"
+            "would be wrong). Clear them after each step: opt.zero_grad() or model.zero_grad() (to None or to "
+            "zeros, every gradient); accumulate micro-batches inside opt.no_sync() (or with "
+            "backward_passes_per_step) before the reducing backward, and call opt.synchronize() only after the "
+            "step's last backward"
         )
 
     def _view_pairs(self) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -818,39 +924,97 @@ class ShardedOptimizer(DistributedOptimizer):
 
     # -- clipping ------------------------------------------------------------------------------
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients by their global norm, computed from every rank's reduced shard (one scalar allreduce).
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """Clip the gradients by their global norm: ``torch.nn.utils.clip_grad_norm_`` on the reduced gradients.
 
-        What ``torch.nn.utils.clip_grad_norm_`` computes on the full reduced gradients of
-        ``shard_state=False`` (up to rounding: the norm is summed in float64 shard by shard),
-        and scales this rank's shard, the part of ``.grad`` the step reads. Call it on every
-        rank, after the backward and before ``step()``.
+        The norm is what ``torch.nn.utils.clip_grad_norm_`` returns on one process for the full
+        reduced gradients (those of ``shard_state=False`` after ``backward()``), up to rounding
+        (each rank sums its pieces' p-th powers in float64; one small allreduce): NaN if any element
+        is NaN, inf if one is infinite and none NaN. Each rank scales its shard, the part of ``.grad``
+        the step reads, by torch's factor ``min(max_norm / (norm + 1e-6), 1)``, so, as with torch, a
+        NaN norm makes every gradient NaN and an infinite one zeroes the finite ones. Call it on every
+        rank, after the step's last ``backward()`` and before ``step()``. Gradients no backward
+        reduced (accumulated inside ``no_sync()``, or set by hand) are reduce-scattered first, as
+        ``synchronize()`` and ``step()`` would.
 
         Args:
             max_norm: the largest norm allowed.
-            norm_type: the p of the p-norm (``float("inf")`` for the largest magnitude).
+            norm_type: the p of the p-norm, a number > 0 (``float("inf")`` for the largest magnitude).
+            error_if_nonfinite: raise torch's ``RuntimeError`` when the norm is NaN or infinite,
+                before scaling anything; decided from the reduced norm, so on every rank alike.
+            foreach: as torch's: None uses the foreach kernels where the device has them, True
+                requires them (``RuntimeError`` where it has none), False loops over the tensors.
 
         Returns:
-            The total norm of the gradients before clipping (a float32 scalar tensor).
+            The norm of the gradients before clipping, the same on every rank, as torch returns it: a
+            0-d tensor on the device of the first parameter with a gradient, in the gradients' dtype
+            (promoted across them); ``tensor(0.)`` on the CPU when no parameter has a gradient.
+
+        Raises:
+            ValueError: ``norm_type`` is not a number > 0 (before any communication).
+            RuntimeError: called inside ``no_sync()``, where the gradients are not reduced (before any
+                communication); or ``error_if_nonfinite`` and the norm is not finite (on every rank).
+
+        Example:
+            >>> model = torch.nn.Linear(4, 1)
+            >>> opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1), shard_state=True)
+            >>> model(torch.ones(2, 4)).sum().backward()
+            >>> norm = opt.clip_grad_norm_(1.0)  # the norm of the averaged gradients, from every rank's shard
+            >>> opt.step()
         """
         max_norm, norm_type = float(max_norm), float(norm_type)
         if not norm_type > 0:
-            raise ValueError(f"norm_type: got {norm_type}; allowed: a number > 0, or float('inf')")
-        grads = [pc.grad for pc in self._pieces if pc.grad is not None and self._params[pc.index].grad is not None]
+            raise ValueError(
+                f"ShardedOptimizer.clip_grad_norm_: norm_type: got {norm_type}; allowed: a number > 0, or float('inf')"
+            )
+        if self._no_sync:
+            raise RuntimeError(
+                "ShardedOptimizer.clip_grad_norm_: called inside opt.no_sync(), where the gradients are not reduced: "
+                "each rank holds its own, so there is no global norm to clip by (DDP would measure each rank's "
+                "local gradients here, which a sharded gradient buffer cannot give). Call it on every rank after "
+                "the step's reducing backward (the last, outside no_sync()), or after leaving no_sync(): it then "
+                "reduces what was accumulated first, as step() would"
+            )
+        self.synchronize()  # reduces only what no backward reduced
         inf = norm_type == float("inf")
-        local = 0.0
-        for g in grads:
-            norm = float(torch.linalg.vector_norm(g, norm_type, dtype=torch.float64))
-            local = max(local, norm) if inf else local + norm**norm_type
-        total = np.array(local, dtype=np.float64)
-        allreduce(self._backend, total, ReduceOp.MAX if inf else ReduceOp.SUM)
-        norm = float(total) if inf else float(total) ** (1.0 / norm_type)
-        coef = min(max_norm / (norm + 1e-6), 1.0)
-        if coef < 1.0:
+        pieces: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for pc in self._pieces:
+            if pc.grad is not None and self._params[pc.index].grad is not None:
+                pieces.setdefault((pc.grad.device, pc.grad.dtype), []).append(pc.grad)
+        with torch.no_grad():
+            local = _local_norm(pieces, norm_type, foreach)
+        allreduce(self._backend, local, ReduceOp.MAX if inf else ReduceOp.SUM)
+        total = float("nan") if local[1] > 0 else float(local[0]) if inf else float(local[0]) ** (1.0 / norm_type)
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if not grads:
+            return torch.tensor(total)
+        dtype = grads[0].dtype
+        for g in grads[1:]:
+            dtype = torch.promote_types(dtype, g.dtype)
+        norm = torch.tensor(total, dtype=dtype)
+        if error_if_nonfinite and not np.isfinite(total):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+                "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`"
+            )
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch computes it, in the norm's dtype
+        if coef.item() != 1.0:  # NaN included
             with torch.no_grad():
-                for g in grads:
-                    g.mul_(coef)
-        return torch.tensor(norm, dtype=torch.float32)
+                for (device, _), tensors in pieces.items():
+                    factor = coef.to(device)
+                    if _use_foreach(foreach, device):
+                        torch._foreach_mul_(tensors, factor)
+                    else:
+                        for t in tensors:
+                            t.mul_(factor)
+        return norm.to(grads[0].device)
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -962,6 +1126,7 @@ class ShardedOptimizer(DistributedOptimizer):
         new pieces cut out of it and placed where their state was (the parameters' device, or the
         CPU for entries such as Adam's ``step``).
         """
+        _check_group(param_group, "the added parameter group")
         full, at_param = self._gather_state(None)
         assert full is not None
         kept = {id(self._params[i]): (self._params[i], i, entries) for i, entries in full.items()}
@@ -1197,6 +1362,47 @@ def _storage(v: torch.Tensor) -> int:
 def _is_view(grad: torch.Tensor, view: torch.Tensor) -> bool:
     """Whether ``grad`` is already ``view``, its place in the flat gradient buffer (a sparse gradient never is)."""
     return grad.layout == torch.strided and _is_slice(grad, view)
+
+
+def _any_nonzero(tensors: list[torch.Tensor]) -> bool:
+    """Whether any element of ``tensors`` is not zero (NaN included); one device synchronization per device."""
+    found: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        found.setdefault(t.device, []).append(t.any())
+    return any(bool(torch.stack(flags).any()) for flags in found.values())
+
+
+def _local_norm(
+    pieces: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]], norm_type: float, foreach: bool | None
+) -> np.ndarray:
+    """This rank's part of the ``norm_type``-norm of ``pieces`` (grouped by device and dtype), in float64: the sum
+    of their p-th powers (for inf, the largest magnitude) without the NaNs, and how many pieces hold a NaN.
+
+    Kept apart so that a reduction never meets a NaN (MPI's MAX may drop one); one device synchronization per
+    device."""
+    inf = norm_type == float("inf")
+    local = np.zeros(2, dtype=np.float64)
+    for (device, _), tensors in pieces.items():
+        if _use_foreach(foreach, device):
+            norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=torch.float64))
+        else:
+            norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=torch.float64) for t in tensors])
+        nan = norms.isnan()
+        norms = norms.masked_fill(nan, 0.0)
+        part = norms.max() if inf else norms.pow(norm_type).sum()
+        value, nans = torch.stack([part, nan.sum().double()]).cpu().tolist()
+        local[0] = max(local[0], value) if inf else local[0] + value
+        local[1] += nans
+    return local
+
+
+def _use_foreach(foreach: bool | None, device: torch.device) -> bool:
+    """Whether torch's clipping would use the foreach kernels for tensors on ``device``, given its ``foreach``
+    (None: where the device has them); its ``RuntimeError`` where ``foreach=True`` cannot."""
+    supported = _device_has_foreach_support(device)
+    if foreach and not supported:
+        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+    return supported if foreach is None else foreach
 
 
 def _is_share(pc: _Piece, p: torch.Tensor, v: torch.Tensor) -> bool:

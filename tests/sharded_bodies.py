@@ -257,18 +257,29 @@ def kinds_body(backend: dml.Backend, kind: str) -> list[float]:
 
 
 def resume_body(
-    backend: dml.Backend, steps: int, start: dict[str, Any] | None, sharded: bool = True, kind: str = "adam"
+    backend: dml.Backend,
+    steps: int,
+    start: dict[str, Any] | None,
+    sharded: bool = True,
+    op: str = "max",
 ) -> dict[str, Any]:
     """``steps`` steps from ``start`` (or from scratch); returns a checkpoint of the end, the same on every rank
     but for a sharded optimizer's state, which ``opt.state_dict()`` returns on rank 0 alone (None elsewhere).
 
-    ``op=dml.MAX`` over data that is the same on every rank makes the run independent of the
-    number of ranks bit for bit, so a run resumed from a checkpoint of another world size must
-    match an uninterrupted one exactly.
+    ``op="max"``: data that is the same on every rank, reduced with ``dml.MAX``, which makes the run
+    independent of the number of ranks bit for bit, so a run resumed from a checkpoint of another world size
+    must match an uninterrupted one exactly. ``op="avg"``: each rank its own batch, averaged (``dml.AVG``): the
+    run depends on the number of ranks. Either way the optimizer state right after ``load_state_dict(start)``,
+    consolidated again (``state_dict(to=None)``), must be the saved one bit for bit.
     """
+    rank = dml.local_rank(backend)
     model = Net((4, 7, 3), 11)
     opt = dml.DistributedOptimizer(
-        backend, make_optimizer(kind, _param_groups(model, True)), op=dml.MAX, bucket_bytes=64, shard_state=sharded
+        backend,
+        make_optimizer("adam", _param_groups(model, True)),
+        op={"max": dml.MAX, "avg": dml.AVG}[op],
+        bucket_bytes=64,
+        shard_state=sharded,
     )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     first = 0
@@ -277,8 +288,10 @@ def resume_body(
         opt.load_state_dict(start["opt"])
         sched.load_state_dict(start["sched"])
         first = start["step"]
+        loaded = opt.state_dict(to=None) if sharded else copy.deepcopy(opt.state_dict())
+        optimizer_states_equal(loaded, start["opt"])
     for step in range(first, first + steps):
-        x = torch.randn(5, 4, generator=_gen(1000 + step))  # the same on every rank
+        x = torch.randn(5, 4, generator=_gen(1000 + step + (100 * rank if op == "avg" else 0)))
         opt.zero_grad()
         model(x, side=step % 2 == 0).pow(2).mean().backward()
         opt.step()
@@ -291,18 +304,23 @@ def resume_body(
     }
 
 
+def optimizer_states_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Bit for bit: parameter groups, state keys, and every entry's value, shape and dtype."""
+    assert got["param_groups"] == want["param_groups"], (got["param_groups"], want["param_groups"])
+    assert sorted(got["state"]) == sorted(want["state"]), (sorted(got["state"]), sorted(want["state"]))
+    for i, entries in want["state"].items():
+        assert list(got["state"][i]) == list(entries), i
+        for k, v in entries.items():
+            g = got["state"][i][k]
+            assert torch.equal(g, v) and g.dtype == v.dtype, (i, k, g, v)
+
+
 def checkpoints_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
     """Bit for bit: parameters, optimizer state (keys, shapes, values) and scheduler."""
     assert got["step"] == want["step"] and got["sched"] == want["sched"], (got["sched"], want["sched"])
     for k, v in want["model"].items():
         assert torch.equal(got["model"][k], v), k
-    assert got["opt"]["param_groups"] == want["opt"]["param_groups"]
-    assert sorted(got["opt"]["state"]) == sorted(want["opt"]["state"])
-    for i, entries in want["opt"]["state"].items():
-        assert list(got["opt"]["state"][i]) == list(entries), i
-        for k, v in entries.items():
-            g = got["opt"]["state"][i][k]
-            assert torch.equal(g, v) and g.dtype == v.dtype, (i, k, g, v)
+    optimizer_states_equal(got["opt"], want["opt"])
 
 
 def every_rank_resumed(every: list[dict[str, Any]], want: dict[str, Any], sharded: bool) -> None:
@@ -313,16 +331,16 @@ def every_rank_resumed(every: list[dict[str, Any]], want: dict[str, Any], sharde
         checkpoints_equal({**checkpoint, "opt": every[0]["opt"] if sharded else checkpoint["opt"]}, want)
 
 
-def save_body(backend: dml.Backend, path: str, steps: int, sharded: bool = True) -> dict[str, Any]:
+def save_body(backend: dml.Backend, path: str, steps: int, sharded: bool = True, op: str = "max") -> dict[str, Any]:
     """``resume_body`` from scratch, then ``dml.save`` of its checkpoint (``opt.state_dict()`` on every rank)."""
-    checkpoint = resume_body(backend, steps, None, sharded)
+    checkpoint = resume_body(backend, steps, None, sharded, op)
     dml.save(backend, checkpoint, path)
     return checkpoint
 
 
-def load_body(backend: dml.Backend, path: str, steps: int, sharded: bool = True) -> dict[str, Any]:
+def load_body(backend: dml.Backend, path: str, steps: int, sharded: bool = True, op: str = "max") -> dict[str, Any]:
     """``dml.load`` a checkpoint (of any world size) and go on ``steps`` steps."""
-    return resume_body(backend, steps, dml.load(backend, path), sharded)
+    return resume_body(backend, steps, dml.load(backend, path), sharded, op)
 
 
 def _expect(fn: Any, error: type[Exception], fragment: str) -> str:
@@ -614,6 +632,58 @@ def errors_body(backend: dml.Backend, overlap: bool) -> list[str]:
     return seen
 
 
+def zero_in_place_body(backend: dml.Backend, how: str) -> list[str]:
+    """Gradients zeroed in place count as cleared: ``model.zero_grad(set_to_none=False)`` (``how="model"``) or
+    ``opt.zero_grad(set_to_none=False)`` (``"opt"``) before each step's backward, every rank its own batch, with
+    ``no_sync()`` micro-batches and ``clip_grad_norm_`` on some steps, trains as the unsharded optimizer. A
+    backward into reduced gradients that are not all zeros still raises on every rank: after no zero_grad at
+    all, after only one parameter's gradient was zeroed, after clipping (which scales them). Returns the
+    messages."""
+    rank = dml.local_rank(backend)
+    models = [Net((5, 9, 3), 12), Net((5, 9, 3), 12)]
+    opts = [
+        dml.DistributedOptimizer(backend, make_optimizer("adam", m.parameters()), bucket_bytes=64, shard_state=s)
+        for m, s in zip(models, (True, False), strict=True)
+    ]
+
+    def zero(model: Net, opt: Any) -> None:
+        (model if how == "model" else opt).zero_grad(set_to_none=False)
+
+    def batch(step: int, micro: int = 0) -> torch.Tensor:
+        return torch.randn(3, 5, generator=_gen(100 * step + 10 * micro + rank))
+
+    for step in range(4):
+        for model, opt in zip(models, opts, strict=True):
+            zero(model, opt)
+            if step == 2:
+                with opt.no_sync():
+                    model(batch(step, 1), side=True).pow(2).mean().backward()
+            model(batch(step), side=rank % 2 == 1).pow(2).mean().backward()
+            opt.step()
+        for (name, p), q in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+            check_close(backend, p.detach(), q.detach(), f"step {step}: {name}", None)
+
+    model, opt = models[0], opts[0]
+    seen = []
+    for spoil in ("nothing", "one", "clip"):
+        zero(model, opt)
+        model(batch(9)).pow(2).mean().backward()
+        if spoil == "clip":
+            opt.clip_grad_norm_(1e-3)  # scales the reduced gradients in place
+        opt.step()
+        if spoil == "one":
+            model.body[0].weight.grad.zero_()  # in place, but not the others
+        torch.autograd.grad(model(batch(10)).sum(), list(model.body.parameters()))  # accumulates nothing: fine
+        seen.append(
+            _expect(lambda: model(batch(11)).pow(2).mean().backward(), RuntimeError, "already reduce-scattered")
+        )
+    zero(model, opt)
+    model(batch(12)).pow(2).mean().backward()
+    opt.step()
+    replicas_identical(backend, torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist())
+    return seen
+
+
 def bad_input_body(backend: dml.Backend, culprit: int) -> int:
     """Bad arguments on rank ``culprit`` only raise there before any communication: a barrier after each
     still pairs with the other ranks' barriers."""
@@ -623,6 +693,7 @@ def bad_input_body(backend: dml.Backend, culprit: int) -> int:
         (lambda: torch.optim.LBFGS(model.parameters()), TypeError, "LBFGS"),
         (lambda: torch.optim.SparseAdam(model.parameters()), TypeError, "SparseAdam"),
         (lambda: _Custom(model.parameters()), TypeError, "not known to be elementwise"),
+        (lambda: Lars(model.parameters(), lr=0.1), TypeError, "a subclass of torch.optim.SGD"),
     ]
     if hasattr(torch.optim, "Adafactor"):
         bad.append((lambda: torch.optim.Adafactor(model.parameters()), TypeError, "Adafactor"))
@@ -659,6 +730,95 @@ class _Custom(torch.optim.Optimizer):
 
     def __init__(self, params: Any) -> None:
         super().__init__(params, {"lr": 0.1})
+
+
+class Lars(torch.optim.SGD):
+    """SGD scaled per parameter by LARS's trust ratio ``||w|| / ||grad||``: norms over each whole parameter, which
+    on a 1-D piece of a flat buffer would be the norms of the piece (wrong steps, no error)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    trust = p.norm() / p.grad.norm().clamp_min(1e-12)
+                    p.add_(p.grad * trust, alpha=-group["lr"])
+        return None
+
+
+class SignSGD(torch.optim.SGD):
+    """A subclass that is elementwise (each element steps by the sign of its gradient): accepted once registered."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-group["lr"])
+        return None
+
+
+class SignSGDChild(SignSGD):
+    """A subclass of a registered class: not registered itself, so refused."""
+
+
+def elementwise_body(backend: dml.Backend) -> list[str]:
+    """Only the exact classes known to be elementwise are sharded. A subclass of one (LARS's per-tensor trust
+    ratio) is refused on every rank with a ``TypeError`` that says why and what to do, as is an unregistered
+    subclass of a registered class and ``differentiable=True``; the eleven torch classes are accepted; a
+    subclass registered with ``dml.ShardedOptimizer.register_elementwise`` trains as the unsharded optimizer
+    (each rank its own batch). Returns the messages."""
+    rank = dml.local_rank(backend)
+    seen: list[str] = []
+    assert dml.ShardedOptimizer.register_elementwise(SignSGD) is SignSGD  # a decorator too; again: no change
+    assert dml.ShardedOptimizer.register_elementwise(SignSGD) is SignSGD
+    model = Net((5, 9, 3), 8)
+    refused: list[tuple[Any, list[str]]] = [
+        (
+            lambda: Lars(model.parameters(), lr=0.1),
+            [
+                "got Lars, a subclass of torch.optim.SGD",
+                "per-tensor",
+                "shard_state=False",
+                "register_elementwise(Lars)",
+            ],
+        ),
+        (lambda: SignSGDChild(model.parameters(), lr=0.1), ["got SignSGDChild, a subclass of SignSGD"]),
+        (lambda: _Custom(model.parameters()), ["got _Custom", "shard_state=False", "register_elementwise(_Custom)"]),
+        (lambda: torch.optim.Adam(model.parameters(), differentiable=True), ["differentiable=True", "False"]),
+    ]
+    for make, fragments in refused:
+        try:
+            dml.DistributedOptimizer(backend, make(), shard_state=True)
+        except TypeError as e:
+            assert all(f in str(e) for f in fragments), f"rank {rank}: {fragments} not all in {e}"
+            seen.append(str(e))
+        else:
+            raise AssertionError(f"rank {rank}: accepted {type(make()).__qualname__}: {fragments[0]}")
+    for kind in KINDS:  # the exact classes
+        dml.DistributedOptimizer(backend, make_optimizer(kind, Net((5, 9, 3), 8).parameters()), shard_state=True)
+    for bad, fragment in [
+        (torch.optim.SGD(model.parameters(), lr=0.1), "got an instance of SGD"),
+        (int, "got int"),
+        (type("LbfgsChild", (torch.optim.LBFGS,), {}), "LBFGS"),
+    ]:
+        seen.append(_expect(lambda bad=bad: dml.ShardedOptimizer.register_elementwise(bad), TypeError, fragment))
+    models = [Net((5, 9, 3), 8), Net((5, 9, 3), 8)]
+    opts = [
+        dml.DistributedOptimizer(backend, SignSGD(m.parameters(), lr=0.01), bucket_bytes=64, shard_state=s)
+        for m, s in zip(models, (True, False), strict=True)
+    ]
+    for step in range(3):
+        for model_, opt in zip(models, opts, strict=True):
+            opt.zero_grad()
+            model_(torch.randn(3, 5, generator=_gen(10 * step + rank)), side=True).pow(2).mean().backward()
+            opt.step()
+        for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
+            check_close(backend, p.detach(), q.detach(), f"SignSGD, step {step}", None)
+    added = {"params": [torch.nn.Parameter(torch.ones(2))], "differentiable": True}
+    fragment = "the added parameter group has differentiable=True"
+    seen.append(_expect(lambda: opts[0].add_param_group(added), TypeError, fragment))  # before communicating
+    return seen
 
 
 # -- memory, clipping, special parameters ---------------------------------------------------------------
@@ -716,6 +876,173 @@ def clip_body(backend: dml.Backend, norm_type: float) -> float:
     for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
     return norms[0]
+
+
+@dataclass(frozen=True)
+class ClipCase:
+    seed: int
+    shapes: tuple[tuple[int, ...], ...]
+    float64: int  # the index of a float64 parameter (the others float32), or -1
+    unused: int  # the index of a parameter without gradient on odd ranks (on every rank if unused_everywhere), or -1
+    unused_everywhere: bool
+    norm_type: float
+    max_norm: float
+    scale: float  # of the gradients
+    specials: tuple[tuple[int, int, int, float], ...]  # (rank, parameter, element, value) put into that gradient
+    error_if_nonfinite: bool
+    foreach: bool | None
+    bucket_bytes: int
+    overlap: bool
+
+
+@st.composite
+def clip_cases(draw: st.DrawFn) -> ClipCase:
+    shapes = tuple(draw(st.lists(st.sampled_from([(1,), (7,), (3, 5), (2, 3, 2), (17,)]), min_size=1, max_size=4)))
+    n = len(shapes)
+    special = st.tuples(
+        st.integers(0, 3),
+        st.integers(0, n - 1),
+        st.integers(0, 100),
+        st.sampled_from([float("nan"), float("inf"), -float("inf")]),
+    )
+    return ClipCase(
+        seed=draw(st.integers(0, 10**6)),
+        shapes=shapes,
+        float64=draw(st.integers(-1, n - 1)),
+        unused=draw(st.integers(-1, n - 1)) if n > 1 else -1,  # every rank runs a backward
+        unused_everywhere=draw(st.booleans()),
+        norm_type=draw(st.sampled_from([2.0, 1.0, float("inf"), 3.0, 0.5])),
+        max_norm=draw(st.sampled_from([1e-3, 0.5, 5.0, 1e6])),
+        scale=draw(st.sampled_from([1e-3, 1.0, 100.0])),
+        specials=tuple(draw(st.lists(special, max_size=3))),
+        error_if_nonfinite=draw(st.booleans()),
+        foreach=draw(st.sampled_from([None, True, False])),
+        bucket_bytes=draw(st.sampled_from([0, 32, 1 << 20])),
+        overlap=draw(st.booleans()),
+    )
+
+
+def _clip_params(case: ClipCase) -> list[torch.nn.Parameter]:
+    g = _gen(case.seed)
+    return [
+        torch.nn.Parameter(torch.randn(s, generator=g, dtype=torch.float64 if i == case.float64 else torch.float32))
+        for i, s in enumerate(case.shapes)
+    ]
+
+
+def _clip_backward(backend: dml.Backend, case: ClipCase, params: list[torch.nn.Parameter]) -> None:
+    """A backward whose gradient of each parameter is this rank's own random tensor, with the case's NaN and
+    inf entries (so the averaged gradient has them, or NaN where +inf and -inf meet)."""
+    rank = dml.local_rank(backend)
+    g = _gen(case.seed + 1 + rank)
+    loss = torch.zeros((), dtype=torch.float64)
+    for i, p in enumerate(params):
+        if i == case.unused and (case.unused_everywhere or rank % 2 == 1):
+            continue
+        c = torch.randn(p.shape, generator=g, dtype=p.dtype) * case.scale
+        for r, k, at, value in case.specials:
+            if r == rank and k == i:
+                c.view(-1)[at % c.numel()] = value
+        loss = loss + (p * c).sum()
+    loss.backward()
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Equal up to rounding, NaN where NaN, inf where inf (the norm and the clipped gradients)."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+def _shard_is(opts: list[Any]) -> None:
+    """This rank's shard of the sharded gradients is the unsharded ``.grad`` (``_same``); None in the same places."""
+    ours, ref = ([p for g in opt.param_groups for p in g["params"]] for opt in opts)
+    for p, q in zip(ours, ref, strict=True):
+        assert (p.grad is None) == (q.grad is None), (p.shape, p.grad, q.grad)
+    for pc in opts[0]._pieces:
+        q = ref[pc.index]
+        if q.grad is not None and pc.grad is not None:
+            _same(pc.grad.reshape(-1), q.grad.reshape(-1)[pc.lo : pc.hi], f"gradient of parameter {pc.index}")
+
+
+def clip_property_body(backend: dml.Backend, case: ClipCase) -> str:
+    """``opt.clip_grad_norm_`` is ``torch.nn.utils.clip_grad_norm_`` on the unsharded optimizer's (averaged)
+    gradients: the same norm (value, NaN or inf; dtype; the gradients' device), this rank's shard of the clipped
+    gradients and the parameters after a step, for p-norms 1, 2, inf, 3 and 0.5 with NaN and inf entries; with
+    ``error_if_nonfinite=True`` and a non-finite norm torch's ``RuntimeError`` on every rank, gradients
+    unchanged. Returns what happened ("raised", or the norm)."""
+    size = dml.total_workers(backend)
+    params = [_clip_params(case), _clip_params(case)]
+    opts = [
+        dml.DistributedOptimizer(
+            backend,
+            torch.optim.SGD(ps, lr=0.1),
+            bucket_bytes=case.bucket_bytes,
+            overlap=case.overlap,
+            shard_state=s,
+        )
+        for ps, s in zip(params, (True, False), strict=True)
+    ]
+    for ps, opt in zip(params, opts, strict=True):
+        opt.zero_grad()
+        _clip_backward(backend, case, ps)
+    kwargs = {"error_if_nonfinite": case.error_if_nonfinite, "foreach": case.foreach}
+    results: list[Any] = []
+    for clip in (
+        lambda: opts[0].clip_grad_norm_(case.max_norm, case.norm_type, **kwargs),
+        lambda: torch.nn.utils.clip_grad_norm_(params[1], case.max_norm, case.norm_type, **kwargs),
+    ):
+        try:
+            results.append(clip())
+        except RuntimeError as e:
+            results.append(str(e))
+    got, want = results
+    _shard_is(opts)  # after clipping (or raising): this rank's shard of the gradients is torch's
+    every = dml.allgather_object(backend, got if isinstance(got, str) else "returned")
+    if isinstance(want, str):
+        assert got == want, f"torch raised {want!r}; clip_grad_norm_ gave {got!r}"
+        assert every == [want] * size, every  # on every rank
+        return "raised"
+    assert not isinstance(got, str), got
+    assert every == ["returned"] * size, every
+    assert (got.dtype, got.device) == (want.dtype, want.device), (got, want)
+    _same(got, want, "the norm")
+    for opt in opts:
+        opt.step()
+    for p, q in zip(*params, strict=True):
+        _same(p.detach(), q.detach(), "parameters after the step")
+    return str(float(got))
+
+
+def clip_no_sync_body(backend: dml.Backend) -> str:
+    """Inside ``no_sync()`` (the gradient buffer mixes reduced and local parts) ``clip_grad_norm_`` raises
+    ``RuntimeError`` on every rank and changes nothing; outside it, it reduces what ``no_sync()`` accumulated
+    first (as ``step()`` would) and clips as torch does the unsharded gradients after ``synchronize()``."""
+    case = ClipCase(3, ((5, 3), (7,)), -1, -1, False, 2.0, 0.1, 1.0, (), False, None, 32, False)
+    params = [_clip_params(case), _clip_params(case)]
+    opts = [
+        dml.DistributedOptimizer(backend, torch.optim.SGD(ps, lr=0.1), bucket_bytes=32, shard_state=s)
+        for ps, s in zip(params, (True, False), strict=True)
+    ]
+    for ps, opt in zip(params, opts, strict=True):
+        opt.zero_grad()
+        with opt.no_sync():
+            _clip_backward(backend, case, ps)
+            _clip_backward(backend, case, ps)
+            if opt is opts[0]:
+                before = [p.grad.clone() for p in ps]
+                message = _expect(lambda: opts[0].clip_grad_norm_(0.1), RuntimeError, "inside opt.no_sync()")
+                for p, b in zip(ps, before, strict=True):
+                    assert torch.equal(p.grad, b), "clip_grad_norm_ inside no_sync() changed the gradients"
+    assert dml.allgather_object(backend, message) == [message] * dml.total_workers(backend)
+    opts[1].synchronize()
+    want = torch.nn.utils.clip_grad_norm_(params[1], 0.1)
+    got = opts[0].clip_grad_norm_(0.1)
+    _same(got, want, "the norm")
+    _shard_is(opts)
+    for opt in opts:
+        opt.step()
+    for p, q in zip(*params, strict=True):
+        _same(p.detach(), q.detach(), "parameters after the step")
+    return message
 
 
 class Mixed(torch.nn.Module):

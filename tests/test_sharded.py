@@ -16,10 +16,15 @@ from mpirun import requires_mpi, run_mpi
 from sharded_bodies import (
     KINDS,
     VARIANTS,
+    ClipCase,
     ShardCase,
     bad_input_body,
     checkpoints_equal,
     clip_body,
+    clip_cases,
+    clip_no_sync_body,
+    clip_property_body,
+    elementwise_body,
     equivalence_body,
     errors_body,
     every_rank_resumed,
@@ -35,6 +40,7 @@ from sharded_bodies import (
     state_memory_body,
     state_to_body,
     synchronize_body,
+    zero_in_place_body,
 )
 
 
@@ -68,6 +74,25 @@ def test_checkpoint_saved_at_3_resumes_at_2_and_1(tmp_path: object, saver: bool,
     dml.LocalBackend.spawn(3, save_body, path, 3, saver, timeout=60)
     for world in (2, 1):
         every_rank_resumed(dml.LocalBackend.spawn(world, load_body, path, 3, loader, timeout=60), uninterrupted, loader)
+
+
+@pytest.mark.parametrize("saver", [True, False], ids=["from_sharded", "from_unsharded"])
+def test_checkpoint_averaged_over_different_data_resumes_at_3_2_and_1(tmp_path: object, saver: bool) -> None:
+    """dml.AVG, each rank its own batch, saved at 3 ranks: (a) resumed at 3, bit for bit the uninterrupted 3-rank
+    run; (b) at 3, 2 and 1 the state right after loading, consolidated again, is bit for bit the saved one
+    (resume_body checks it); (c) resumed at 3, 2 and 1, bit for bit the unsharded optimizer resumed at that size
+    from the same checkpoint (LocalBackend adds in rank order for both)."""
+    path = str(tmp_path / "checkpoint.pt")  # type: ignore[operator]
+    dml.LocalBackend.spawn(3, save_body, path, 3, saver, "avg", timeout=60)
+    uninterrupted = dml.LocalBackend.spawn(3, resume_body, 6, None, True, "avg", timeout=60)[0]
+    every_rank_resumed(dml.LocalBackend.spawn(3, load_body, path, 3, True, "avg", timeout=60), uninterrupted, True)
+    for world in (3, 2, 1):
+        unsharded = dml.LocalBackend.spawn(world, load_body, path, 3, False, "avg", timeout=60)
+        every_rank_resumed(
+            dml.LocalBackend.spawn(world, load_body, path, 3, True, "avg", timeout=60), unsharded[0], True
+        )
+        if world < 3:  # a run that switched world size differs from the uninterrupted one: nothing to compare
+            assert not torch.equal(unsharded[0]["model"]["side.weight"], uninterrupted["model"]["side.weight"])
 
 
 class _Asked(dml.ShardedOptimizer):
@@ -149,6 +174,37 @@ def test_clip_grad_norm_from_the_shards(world: int, norm_type: float) -> None:
     assert all(n == norms[0] for n in norms)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in add:RuntimeWarning")  # LocalBackend: inf + -inf
+@settings(max_examples=60, deadline=None)
+@given(case=clip_cases(), world=st.integers(1, 4))
+def test_clip_grad_norm_is_torchs_on_the_averaged_gradients(case: ClipCase, world: int) -> None:
+    """Norm (NaN, inf, dtype, device), clipped gradients and error_if_nonfinite as torch's clip_grad_norm_ on the
+    unsharded optimizer's gradients, for p = 1, 2, inf, 3 and 0.5 with NaN and inf entries."""
+    outcomes = dml.LocalBackend.spawn(world, clip_property_body, case, timeout=60)
+    assert all(o == outcomes[0] for o in outcomes), outcomes
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_clip_grad_norm_inside_no_sync_raises_and_reduces_first_outside(world: int) -> None:
+    messages = dml.LocalBackend.spawn(world, clip_no_sync_body, timeout=60)
+    assert all(m == messages[0] for m in messages), messages
+
+
+@pytest.mark.parametrize("how", ["model", "opt"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_gradients_zeroed_in_place_count_as_cleared(world: int, how: str) -> None:
+    seen = dml.LocalBackend.spawn(world, zero_in_place_body, how, timeout=60)
+    assert all(s == seen[0] for s in seen) and len(seen[0]) == 3, seen
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_only_optimizers_known_to_be_elementwise(world: int) -> None:
+    """A LARS-like subclass of SGD is refused (on every rank; before communicating: bad_input_body); the eleven
+    torch classes are accepted; a registered elementwise subclass trains as the unsharded optimizer."""
+    seen = dml.LocalBackend.spawn(world, elementwise_body, timeout=60)
+    assert all(s == seen[0] for s in seen), seen
+
+
 @pytest.mark.parametrize("kind", ["adam", "sgd", "adagrad"])
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_dtypes_empty_frozen_and_added_parameters(world: int, kind: str) -> None:
@@ -196,7 +252,10 @@ def test_one_idea_for_users() -> None:
 def test_sharded_job_under_mpiexec(ranks: int) -> None:
     job = run_mpi(ranks, ["tests/sharded_job.py"], timeout=300)
     assert job.returncode == 0, job.output[-8000:]
-    checks = "equivalence variants kinds errors bad_input memory clip special synchronize extras state state_memory"
+    checks = (
+        "equivalence variants kinds errors bad_input memory clip clip_property clip_no_sync zero_in_place "
+        "elementwise special synchronize extras state state_memory"
+    )
     assert f"SHARDED CHECKS PASSED: {checks} on {ranks} ranks" in job.output, job.output[-8000:]
     for check in checks.split():
         assert job.output.count(f"check {check} passed") == ranks, job.output[-8000:]
@@ -217,3 +276,23 @@ def test_checkpoint_of_3_mpi_ranks_resumes_on_2(tmp_path: object) -> None:
     assert resumed.returncode == 0 and "SHARDED CHECKS PASSED" in resumed.output, resumed.output[-8000:]
     uninterrupted = dml.LocalBackend.spawn(1, resume_body, 6, None, timeout=60)[0]
     checkpoints_equal(torch.load(out, weights_only=True), uninterrupted)
+
+
+@requires_mpi
+def test_checkpoint_averaged_over_3_mpi_ranks(tmp_path: object) -> None:
+    """dml.AVG, each rank its own batch, saved by 3 MPI ranks: (a) resumed by 3, bit for bit the uninterrupted
+    3-rank run (the same collectives on the same data); (b) the state right after each load is bit for bit the
+    saved one (checked in the jobs); (c) resumed by 2, bit for bit the unsharded optimizer resumed by 2 (two
+    numbers add alike in any order)."""
+    path, whole, same, sharded, unsharded = (
+        str(tmp_path / name)  # type: ignore[operator]
+        for name in ("at3.pt", "whole.pt", "same.pt", "sharded.pt", "unsharded.pt")
+    )
+    at3 = run_mpi(3, ["tests/sharded_job.py", f"save={path},avg", f"run={whole},6,avg", f"resume={path},{same},avg"])
+    assert at3.returncode == 0 and "SHARDED CHECKS PASSED" in at3.output, at3.output[-8000:]
+    checkpoints_equal(torch.load(same, weights_only=True), torch.load(whole, weights_only=True))
+    at2 = run_mpi(
+        2, ["tests/sharded_job.py", f"resume={path},{sharded},avg", f"resume={path},{unsharded},avg,unsharded"]
+    )
+    assert at2.returncode == 0 and "SHARDED CHECKS PASSED" in at2.output, at2.output[-8000:]
+    checkpoints_equal(torch.load(sharded, weights_only=True), torch.load(unsharded, weights_only=True))
