@@ -12,6 +12,8 @@ arguments and traceback and aborts the job. Rank 0 ends with
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 import sys
 import time
 
@@ -21,7 +23,7 @@ from hypothesis import given, settings
 import distutils_ml as dml
 
 import batchnorm_bodies as bodies
-from mpi_main import SETTINGS, guarded
+from mpi_main import EXAMPLE_FACTOR, SETTINGS, fresh_in_dev, guarded
 
 
 def property_checks(backend: dml.Backend, examples: int, device: str, shifted: bool = False) -> int:
@@ -29,7 +31,8 @@ def property_checks(backend: dml.Backend, examples: int, device: str, shifted: b
     count = 0
     body, strategy = (bodies.shifted_body, bodies.shifted_cases) if shifted else (bodies.batchnorm_body, bodies.cases)
 
-    @settings(SETTINGS, max_examples=examples)
+    @fresh_in_dev
+    @settings(SETTINGS, max_examples=examples * EXAMPLE_FACTOR)
     @given(case=strategy(backend.size))
     def run(case: bodies.Case | bodies.Shifted) -> None:
         nonlocal count
@@ -50,6 +53,7 @@ def misuse_checks(backend: dml.Backend) -> int:
 
 
 def main(kind: str) -> None:
+    faulthandler.register(signal.SIGUSR1)  # the test runner asks for stacks before killing a hung job
     start = time.perf_counter()
     if kind == "nccl":
         dml.initialize(dml.NCCLBackend)

@@ -24,8 +24,10 @@ Run: ``mpiexec -n N python tests/checkpoint_job.py MODE ARGS...`` where MODE is
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import random
+import signal
 import sys
 import time
 import warnings
@@ -393,6 +395,7 @@ def slow(directory: str) -> None:
 
 
 def main(mode: str, *args: str) -> None:
+    faulthandler.register(signal.SIGUSR1)  # the test runner asks for stacks before killing a hung job
     warnings.filterwarnings("ignore", message="This DataLoader will create")  # 2 workers on a 1-core share
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
     dml.initialize(dml.MPIBackend, **({"timeout": 2} if mode == "slow" else {}))

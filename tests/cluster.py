@@ -43,6 +43,8 @@ _PREFIX = "dmlc"
 _SERIAL = itertools.count()  # several clusters of one process get different names
 
 
+_MPIEXEC_NAMES = ("prterun", "mpiexec", "mpirun")  # Open MPI 5's mpiexec runs as prterun
+
 #: MCA settings every rank on every node gets (on the command line, which reaches remote ranks).
 MCA_OPTIONS = ("--mca", "btl", "^ofi", "--mca", "mpi_yield_when_idle", "1")
 
@@ -225,12 +227,15 @@ class Cluster:
         on_line: Callable[[str], None] | None = None,
         cwd: str | os.PathLike[str] | None = None,
     ) -> Run:
-        """Run ``argv`` on node ``node`` until it exits (or ``timeout`` s, then kill every process on the nodes).
+        """Run ``argv`` on node ``node`` until it exits, or ``timeout`` s: then ask the ranks for their stacks
+        (``ask_for_stacks``) and kill every process on the nodes. Under pytest, ``timeout`` is cut to end before
+        the test's own timeout (tests/mpirun.py's ``time_left``), so that this happens before pytest's kill.
 
         ``on_line`` sees each line of output as it comes (e.g. to cut a cable at a given step).
         The result's ``seconds`` is the time until the command itself exited: processes it left
         on other nodes (holding its output open, as an ssh session would) do not count.
         """
+        timeout = _within_the_test(timeout)
         start = time.monotonic()
         proc = self.popen(argv, node, env, cwd=cwd)
         lines: list[str] = []
@@ -250,9 +255,23 @@ class Cluster:
             code = None
         seconds, ended = time.monotonic() - start, time.time()
         if code is None:
+            self.ask_for_stacks()
             self.kill_all()
         reader.join(timeout=5)
         return Run(code, "".join(lines), seconds, ended)
+
+    def ask_for_stacks(self, wait: float = 3) -> None:
+        """SIGUSR1 to every mpiexec on the nodes, which passes it to its ranks: those that registered
+        faulthandler for it (the test jobs) print their Python stacks; then ``wait`` s for the output."""
+        asked = False
+        for ns in self.namespaces:
+            for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+                with contextlib.suppress(OSError):  # gone meanwhile
+                    if Path(f"/proc/{pid}/comm").read_text().strip() in _MPIEXEC_NAMES:
+                        os.kill(int(pid), signal.SIGUSR1)
+                        asked = True
+        if asked:
+            time.sleep(wait)
 
     def kill_all(self) -> None:
         """SIGKILL every process on the nodes (the cluster stays up)."""
@@ -292,6 +311,12 @@ class Cluster:
             'ip netns exec "$ns" unshare --uts sh -c \'hostname "$0" && exec sh -c "$1"\' "$host" "$*"\n'
         )
         self.agent.chmod(0o755)
+
+
+def _within_the_test(timeout: float) -> float:
+    """Under pytest, ``timeout`` cut to end before the test's own timeout; as given otherwise (the command line)."""
+    mpirun = sys.modules.get("mpirun")  # loaded by tests/conftest.py; not imported here, it needs pytest
+    return timeout if mpirun is None else mpirun.time_left(timeout)
 
 
 def _on_host(hostname: str, argv: Sequence[str]) -> list[str]:

@@ -11,6 +11,8 @@ passed.
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 import time
 
 from hypothesis import given, settings
@@ -18,13 +20,14 @@ from hypothesis import given, settings
 import distutils_ml as dml
 
 import data_bodies
-from mpi_main import SETTINGS, guarded
+from mpi_main import EXAMPLE_FACTOR, SETTINGS, fresh_in_dev, guarded
 
 
 def gather_checks(backend: dml.Backend, examples: int) -> int:
     count = 0
 
-    @settings(SETTINGS, max_examples=examples)
+    @fresh_in_dev
+    @settings(SETTINGS, max_examples=examples * EXAMPLE_FACTOR)
     @given(case=data_bodies.gather_cases())
     def run(case: data_bodies.GatherCase) -> None:
         nonlocal count
@@ -54,6 +57,7 @@ def misuse_checks(backend: dml.Backend) -> int:
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1)  # the test runner asks for stacks before killing a hung job
     dml.initialize(dml.MPIBackend)
     world = dml.get_distributed_backend(dml.MPIBackend)
     checker = dml.MPIBackend(debug=True)

@@ -13,7 +13,9 @@ another GPU than the communicator's. With more ranks than GPUs, NCCL runs as a r
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 import tempfile
 
@@ -351,6 +353,7 @@ def check_devices(backend: dml.Backend) -> str:
 
 
 def main(kind: str) -> None:
+    faulthandler.register(signal.SIGUSR1)  # the test runner asks for stacks before killing a hung job
     if kind == "nccl":
         dml.initialize(dml.NCCLBackend)
         backend = dml.get_distributed_backend(dml.NCCLBackend)

@@ -4,6 +4,10 @@ Each CHECK runs on every rank. Property checks use the bodies of tests/bodies.py
 hypothesis derandomized, so every rank draws the same examples; a failing body prints
 its rank, case and traceback and aborts the job at once (no shrinking: the other
 ranks could not follow it). Rank 0 ends with ``MPI CHECKS PASSED`` when all passed.
+
+``HYPOTHESIS_PROFILE`` (set by tests/mpirun.py to the pytest run's profile): under "dev", every
+check draws DEV_EXAMPLES times its examples, from ``DML_HYPOTHESIS_SEED`` (fresh per job, the same
+on every rank; rank 0 prints it: set it to replay the job's examples) instead of a fixed seed.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import gc
+import os
 import signal
 import sys
 import time
@@ -38,6 +43,20 @@ SETTINGS = settings(
     phases=[Phase.generate],
     suppress_health_check=list(HealthCheck),
 )
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+if PROFILE not in ("ci", "dev"):
+    raise SystemExit(f"HYPOTHESIS_PROFILE: got {PROFILE!r}; allowed: 'ci' (the default) or 'dev'")
+DEV_EXAMPLES = 4  # dev: this many times each check's examples (the jobs must still end within their timeouts)
+EXAMPLE_FACTOR = DEV_EXAMPLES if PROFILE == "dev" else 1
+RUN_SEED = int(os.environ.get("DML_HYPOTHESIS_SEED", "0")) if PROFILE == "dev" else 0
+if PROFILE == "dev" and MPI.COMM_WORLD.Get_rank() == 0:
+    print(f"hypothesis profile dev: DML_HYPOTHESIS_SEED={RUN_SEED} draws these examples again", flush=True)
+
+
+def fresh_in_dev(test: Any) -> Any:
+    """A hypothesis test seeded with this job's DML_HYPOTHESIS_SEED under the dev profile, the same on
+    every rank; as it is otherwise (derandomized by SETTINGS)."""
+    return seed(RUN_SEED)(test) if PROFILE == "dev" else test
 
 
 def guarded(fn: Any, *args: Any) -> Any:
@@ -56,8 +75,8 @@ def property_check(backend: dml.Backend, name: str, label: str, examples: int) -
     count = 0
     for dtype in bodies.DTYPES:
 
-        @seed(zlib.crc32(f"{name}/{dtype}/{label}".encode()))
-        @settings(SETTINGS, max_examples=examples)
+        @seed(zlib.crc32(f"{name}/{dtype}/{label}".encode()) ^ RUN_SEED)
+        @settings(SETTINGS, max_examples=examples * EXAMPLE_FACTOR)
         @given(case=bodies.cases(dtype, reduction=name in bodies.REDUCTIONS))
         def run(case: bodies.Case) -> None:
             nonlocal count
@@ -71,7 +90,8 @@ def property_check(backend: dml.Backend, name: str, label: str, examples: int) -
 def hypothesis_check(backend: dml.Backend, body: Any, strategy: Any, examples: int) -> int:
     count = 0
 
-    @settings(SETTINGS, max_examples=examples)
+    @fresh_in_dev
+    @settings(SETTINGS, max_examples=examples * EXAMPLE_FACTOR)
     @given(case=strategy)
     def run(case: Any) -> None:
         nonlocal count

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -14,8 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 TESTS = Path(__file__).resolve().parent
+
+#: Seconds a helper keeps before pytest's timeout of the test: to ask the ranks for their stacks, kill them, fail.
+MARGIN_S = 15.0
+_deadline: tuple[float, float] | None = None  # (time.monotonic() at which pytest-timeout ends the test, its timeout)
 
 
 def mpiexec() -> str | None:
@@ -25,11 +31,44 @@ def mpiexec() -> str | None:
 
 
 def mpi_env() -> dict[str, str]:
-    """Environment for test jobs: allow root (containers, CI), skip the slow libfabric probe."""
+    """Environment for test jobs: allow root (containers, CI), skip the slow libfabric probe, this run's hypothesis.
+
+    The ranks use this pytest run's hypothesis profile (tests/mpi_main.py); under "dev", a fresh
+    ``DML_HYPOTHESIS_SEED`` per job, the same on every rank (one already set is kept: a replay).
+    """
     env = dict(os.environ)
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_btl="^ofi")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+    env["HYPOTHESIS_PROFILE"] = settings.get_current_profile_name()
+    if env["HYPOTHESIS_PROFILE"] == "dev":
+        env.setdefault("DML_HYPOTHESIS_SEED", str(random.getrandbits(32)))
     return env
+
+
+def start_test_timer(timeout: float | None) -> None:
+    """From tests/conftest.py: pytest-timeout armed the running test's timer for ``timeout`` s from now,
+    or cancelled it (None)."""
+    global _deadline
+    _deadline = None if timeout is None else (time.monotonic() + timeout, timeout)
+
+
+def time_left(timeout: float) -> float:
+    """``timeout``, cut to end MARGIN_S before pytest's timeout of the running test (if it has one).
+
+    So a hung job is ended by its helper, which asks the ranks for their stacks and kills them,
+    rather than by pytest, which would leave them running. Fails the test when no time is left.
+    """
+    if _deadline is None:
+        return timeout
+    deadline, pytest_timeout = _deadline
+    left = deadline - time.monotonic() - MARGIN_S
+    if left < 1:
+        pytest.fail(
+            f"no time left for an MPI job: the test's timeout ({pytest_timeout:g} s) ends in"
+            f" {left + MARGIN_S:.0f} s, and a hung job needs {MARGIN_S:g} s to be ended with its stacks;"
+            f" give the test @pytest.mark.timeout(...) longer than its jobs' timeouts (+{MARGIN_S:g} s)"
+        )
+    return min(timeout, left)
 
 
 requires_mpi = pytest.mark.skipif(
@@ -54,6 +93,10 @@ def run_mpi(
 ) -> Job:
     """Run ``mpiexec -n n python [runner] args...``; a hang becomes a test failure after ``timeout`` s.
 
+    ``timeout`` is cut to end before pytest's timeout of the test (``time_left``); on a hang every
+    rank dumps its Python stack (the job scripts register faulthandler for SIGUSR1), every process
+    of the job is killed, and the test fails with the dumps.
+
     ``runner=("-m", "mpi4py")`` runs the ranks as ``distutils-ml launch`` does. ``envs``: one
     dict of variables per rank, each rank started as its own app (``-n 1 env K=V python ... : ...``).
     """
@@ -70,18 +113,23 @@ def run_mpi(
         # Through env(1): Open MPI's -x applies to every app of the command line, not to its own.
         apps = [["-n", "1", "env", *(f"{k}={v}" for k, v in env.items()), *program] for env in envs]
         cmd += [part for i, app in enumerate(apps) for part in ([":"] if i else []) + app]
+    limit = time_left(timeout)
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=TESTS.parent
     )
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        out, _ = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGUSR1)  # mpiexec forwards it: ranks dump their Python stacks
         time.sleep(3)
         _kill_tree(proc.pid)  # the ranks too: a killed mpiexec leaves them running, busy-polling a core
         out, _ = proc.communicate()
-        pytest.fail(f"mpiexec job timed out after {timeout} s: {' '.join(cmd)}\n{out[-12000:]}")
+        cut = f" (cut from {timeout:g} s to end before the test's own timeout)" if limit < timeout else ""
+        pytest.fail(
+            f"mpiexec job timed out after {limit:.0f} s{cut}: {' '.join(cmd)}\n"
+            f"the ranks' Python stacks (faulthandler on SIGUSR1) and the job's last output:\n{out[-12000:]}"
+        )
     return Job(proc.returncode, out, time.monotonic() - start)
 
 

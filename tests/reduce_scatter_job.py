@@ -18,16 +18,17 @@ import distutils_ml as dml
 
 import bodies
 import reduce_scatter_bodies as rsb
-from mpi_main import SETTINGS, guarded, run_checks
+from mpi_main import EXAMPLE_FACTOR, RUN_SEED, SETTINGS, guarded, run_checks
 
 
 def properties(backends: dict[str, dml.Backend], examples: int) -> int:
-    """``examples`` random calls per dtype and backend; the seed names dtype and backend (the same on every rank)."""
+    """``examples`` random calls per dtype and backend (more under the dev profile); the seed names dtype and
+    backend (and under dev the job's DML_HYPOTHESIS_SEED: the same on every rank)."""
     count = 0
 
     def check(label: str, backend: dml.Backend, dtype: str) -> None:
-        @seed(zlib.crc32(f"reduce_scatter/{dtype}/{label}".encode()))
-        @settings(SETTINGS, max_examples=examples)
+        @seed(zlib.crc32(f"reduce_scatter/{dtype}/{label}".encode()) ^ RUN_SEED)
+        @settings(SETTINGS, max_examples=examples * EXAMPLE_FACTOR)
         @given(case=bodies.cases(dtype))
         def run(case: bodies.Case) -> None:
             nonlocal count
