@@ -79,6 +79,9 @@ class TcpRing:
         self._left = left
         self._poll = select.poll()
         self._scratch = np.empty(0, dtype=np.uint8)
+        #: Operations this ring has run, by kind ("allreduce", "reduce_scatter", "allgather"): what proves
+        #: that a transfer went over the ring rather than the backend.
+        self.calls: dict[str, int] = {"allreduce": 0, "reduce_scatter": 0, "allgather": 0}
 
     def supports(self, array: np.ndarray, op: ReduceOp) -> bool:
         """Whether this ring reduces ``array`` with ``op`` (else use the backend's allreduce)."""
@@ -129,7 +132,8 @@ class TcpRing:
 
     @contextlib.contextmanager
     def _watched(self, kind: str, array: np.ndarray, op: ReduceOp | None) -> Iterator[None]:
-        """Shown to the backend's stall watchdog as one of its own collectives while it runs."""
+        """Shown to the backend's stall watchdog as one of its own collectives while it runs; counted in ``calls``."""
+        self.calls[kind] += 1
         record = getattr(self._backend, "_begin", None)
         if record is not None:
             record(kind, array, op, -1)

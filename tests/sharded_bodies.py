@@ -1174,7 +1174,11 @@ def ring_body(backend: dml.Backend) -> bool:
     model(torch.randn(2, 6)).sum().backward()
     opt.step()
     assert opt._ring is not None and opt.overlap, (opt._ring, opt.overlap)
+    ring, before = opt._ring, dict(opt._ring.calls)
+    assert before["reduce_scatter"] > 0 and before["allgather"] > 0, f"the step did not go over the ring: {before}"
     for kind in ("sgd", "adam"):
         equivalence_body(backend, fixed_case(kind, overlap=True, micro=1))
         equivalence_body(backend, fixed_case(kind, wire="bfloat16", unused="all"))  # halves: over MPI
+    ran = {k: ring.calls[k] - before[k] for k in before}
+    assert all(ran.values()), f"the equivalence runs did not all take the ring: {ran}"
     return True

@@ -23,7 +23,10 @@ from distutils_ml.tcpring import ring_for
 
 from mpi_main import hypothesis_check, run_checks
 
-DTYPES = (np.float32, np.float64, np.int32, np.int64)
+DTYPES = (np.float32, np.float64, np.int32, np.int64, np.uint32, np.uint64)
+# Floats are whole multiples of 2**-8 below 2**(bits - 8): the sum of up to 8 of them is exact in that dtype (and
+# not in a narrower one), so a ring that reduced in float32, or dropped a rank, cannot match bit for bit.
+_FLOAT_BITS = {np.dtype(np.float32): 12, np.dtype(np.float64): 40}
 REFERENCE = {
     ReduceOp.SUM: lambda a: a.sum(0),
     ReduceOp.AVG: lambda a: a.sum(0) / a.shape[0],
@@ -53,33 +56,26 @@ def ring_cases(draw: st.DrawFn) -> RingCase:
 def ring_body(world: dml.Backend, case: RingCase) -> None:
     ring = ring_for(world)
     assert ring is not None, "DML_TRANSPORT=tcp must give a ring"
+    assert world.size <= 8, "the values are exact for sums of up to 8 ranks"
     rng = np.random.default_rng(case.seed)
-    every = rng.integers(-3, 4, size=(world.size, *case.shape)).astype(case.dtype)
-    if every.dtype.kind == "f":
-        every += rng.standard_normal(every.shape).astype(case.dtype)
+    every = _values(rng, (world.size, *case.shape), case.dtype, case.op)
     x = every[world.rank].copy()
     assert ring.supports(x, case.op)
+    before = ring.calls["allreduce"]
     ring.allreduce(x, case.op)
-    expected = REFERENCE[case.op](every).astype(case.dtype)
-    if x.dtype.kind == "f":
-        np.testing.assert_allclose(x, expected, rtol=1e-5, atol=1e-5)
-    else:
-        np.testing.assert_array_equal(x, expected)
-    gathered = np.empty((world.size, *x.shape), x.dtype)
-    dml.allgather(world, x, gathered)
-    assert (gathered == gathered[0]).all(), "the ring's result differs across ranks"
+    assert ring.calls["allreduce"] == before + (x.size > 0), "the allreduce did not run on the ring"
+    _same(x, REFERENCE[case.op](every).astype(case.dtype), case.op, "allreduce")
+    gathered = np.empty((world.size, x.nbytes), np.uint8)
+    dml.allgather(world, x.view(np.uint8).reshape(-1), gathered)
+    assert (gathered == gathered[0]).all(), "the ring's result differs across ranks, bit for bit"
     # reduce_scatter: rank r's sendbuf is sends[r] (W rows); it receives the op over ranks of row r; input unchanged.
     m = int(np.prod(case.shape)) // 2
-    sends = rng.integers(-3, 4, size=(world.size, world.size, m)).astype(case.dtype)
+    sends = _values(rng, (world.size, world.size, m), case.dtype, case.op)
     mine = sends[world.rank].copy()
     out = np.full(m, 7, dtype=case.dtype)
     ring.reduce_scatter(mine, out, case.op)
-    np.testing.assert_array_equal(mine, sends[world.rank])
-    expected = REFERENCE[case.op](sends[:, world.rank]).astype(case.dtype)
-    if out.dtype.kind == "f":
-        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
-    else:
-        np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(mine.view(np.uint8), sends[world.rank].view(np.uint8))
+    _same(out, REFERENCE[case.op](sends[:, world.rank]).astype(case.dtype), case.op, "reduce_scatter")
     # allgather into a flat buffer viewed (W, m), from a separate buffer and from the own row
     flat = np.zeros(world.size * m, dtype=case.dtype)
     ring.allgather(sends[world.rank, 0], flat.reshape(world.size, m))
@@ -88,6 +84,25 @@ def ring_body(world: dml.Backend, case: RingCase) -> None:
     rows[np.arange(world.size) != world.rank] = 0
     ring.allgather(rows[world.rank], rows)
     np.testing.assert_array_equal(rows, sends[:, 1])
+
+
+def _values(rng: np.random.Generator, shape: tuple[int, ...], dtype: type, op: ReduceOp) -> np.ndarray:
+    """Values whose reduction over up to 8 ranks is exact in ``dtype`` in any order (see ``_FLOAT_BITS``)."""
+    kind = np.dtype(dtype).kind
+    if kind == "u":
+        return rng.integers(0, 7, size=shape).astype(dtype)
+    if kind == "i" or op in (ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN):
+        return rng.integers(-3, 4, size=shape).astype(dtype)
+    bits = _FLOAT_BITS[np.dtype(dtype)]
+    return (rng.integers(-(2**bits), 2**bits, size=shape) * 2.0**-8).astype(dtype)
+
+
+def _same(got: np.ndarray, want: np.ndarray, op: ReduceOp, what: str) -> None:
+    """Bit for bit, where the docs claim it; MAX and MIN by value (of +0.0 and -0.0 either may win)."""
+    if op in (ReduceOp.MAX, ReduceOp.MIN):
+        np.testing.assert_array_equal(got, want, err_msg=what)
+    else:
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=f"{what}: bits differ")
 
 
 def buckets_body(world: dml.Backend) -> None:
@@ -100,7 +115,12 @@ def buckets_body(world: dml.Backend) -> None:
     g = torch.Generator().manual_seed(1)
     xs, ys = torch.randn(world.size * 16, 64, generator=g), torch.randint(0, 8, (world.size * 16,), generator=g)
     mine = slice(world.rank * 16, (world.rank + 1) * 16)
+    ring = ring_for(world)
+    assert ring is not None
+    before = ring.calls["allreduce"]
     torch.nn.functional.cross_entropy(model(xs[mine]), ys[mine]).backward()
+    sent = ring.calls["allreduce"] - before
+    assert sent >= 2, f"the gradient buckets did not go over the ring ({sent} ring allreduce(s) in backward)"
     for p, mean in zip(model.parameters(), _mean_grads(world, model, xs, ys), strict=True):
         torch.testing.assert_close(p.grad, mean, rtol=1e-5, atol=1e-6)
     opt.step()

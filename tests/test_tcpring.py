@@ -15,7 +15,7 @@ from mpirun import requires_mpi, run_mpi
 
 
 @requires_mpi
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_ring_allreduce_and_buckets_under_mpiexec(ranks: int) -> None:
     job = run_mpi(ranks, ["tests/tcpring_job.py", "ring", "buckets"], envs=[{"DML_TRANSPORT": "tcp"}] * ranks)
     assert job.returncode == 0, job.output[-8000:]
