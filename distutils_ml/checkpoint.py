@@ -382,6 +382,12 @@ def save(backend: Backend, obj: Any, path: str | os.PathLike[str]) -> None:
     (``shard_state=True``) must stand at the same place in every rank's ``obj``: its state is
     consolidated from every rank's shard (a ``ValueError`` on every rank otherwise).
 
+    A checkpoint to resume from holds every rank's random number generator states: save
+    ``dml.rng_state_all(backend)``, not ``dml.rng_state()`` (rank 0's alone, since only rank
+    0's ``obj`` is written), and restore it with ``dml.set_rng_state_all``. What else to save
+    and in which order to restore it is the exact-resume recipe (docs/reliability.md, "Exact
+    resume").
+
     The file is written by ``torch.save`` (with CRC-32s, which ``load`` checks) to a
     temporary file in the same directory, flushed, fsynced and renamed over ``path``, so
     ``path`` holds either the previous checkpoint or the complete new one, never a
@@ -411,7 +417,9 @@ def save(backend: Backend, obj: Any, path: str | os.PathLike[str]) -> None:
     Example:
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = torch.optim.Adam(model.parameters())
-        >>> dml.save(backend, {"model": model, "opt": opt, "step": 10, "rng": dml.rng_state()}, "ckpt.pt")
+        >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
+        >>> state = {"model": model, "opt": opt, "sched": sched, "step": 10}
+        >>> dml.save(backend, {**state, "rng": dml.rng_state_all(backend)}, "ckpt.pt")  # every rank's streams
     """
     check_backend(backend, "save")
     path = _check_path(path, "save")
@@ -456,14 +464,19 @@ def load(backend: Backend, path: str | os.PathLike[str], *, weights_only: bool =
             a class that ``weights_only`` rejects), raised with the same class on every
             rank, naming ``path`` and rank 0's error.
 
+    Restore a checkpoint as the exact-resume recipe does (docs/reliability.md, "Exact
+    resume"): ``load_state_dict`` for each live object, ``set_epoch`` for a container (before
+    its loader's state), and ``dml.set_rng_state_all`` for the random streams.
+
     Example:
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = torch.optim.Adam(model.parameters())
-        >>> dml.save(backend, {"model": model, "opt": opt, "step": 10}, "ckpt.pt")
+        >>> dml.save(backend, {"model": model, "opt": opt, "step": 10, "rng": dml.rng_state_all(backend)}, "ckpt.pt")
         >>> ckpt = dml.load(backend, "ckpt.pt")  # read by rank 0, broadcast to every rank
         >>> model.load_state_dict(ckpt["model"]); opt.load_state_dict(ckpt["opt"]); ckpt["step"]
         <All keys matched successfully>
         10
+        >>> dml.set_rng_state_all(backend, ckpt["rng"])  # this rank's streams, as they were at the save
     """
     check_backend(backend, "load")
     path = _check_path(path, "load")
@@ -480,16 +493,23 @@ def rng_state() -> dict[str, Any]:
     device once CUDA is initialized), NumPy's global ``np.random`` and Python's ``random``.
 
     The result holds only tensors, lists and numbers, so ``dml.save`` writes it and
-    ``dml.load`` reads it back with ``weights_only=True``. Restore it with
-    :func:`set_rng_state` to make a resumed run draw the same numbers (dropout masks,
-    augmentations) as an uninterrupted one.
+    ``dml.load`` reads it back with ``weights_only=True``; :func:`set_rng_state` restores it
+    in this process. For a checkpoint, save :func:`rng_state_all` instead: every rank's
+    states, gathered in one collective. ``dml.save`` writes rank 0's object only, so a
+    checkpoint holding ``dml.rng_state()`` holds rank 0's streams, and restoring them gives
+    every rank rank 0's dropout masks: the resumed run is not the uninterrupted one. The
+    exact-resume recipe (docs/reliability.md, "Exact resume") shows the whole checkpoint.
 
     Returns:
         ``{"torch": uint8 tensor, "numpy": dict, "python": dict}``, plus ``"cuda"``
         where CUDA is initialized.
 
     Example:
-        >>> dml.save(backend, {"model": torch.nn.Linear(4, 2), "rng": dml.rng_state()}, "ckpt.pt")
+        >>> state = dml.rng_state()  # this process's streams
+        >>> first = torch.rand(2)
+        >>> dml.set_rng_state(state)
+        >>> torch.equal(torch.rand(2), first)  # the same draws again
+        True
     """
     kind, key, pos, has_gauss, cached_gaussian = np.random.get_state()
     version, internal, gauss_next = random.getstate()
@@ -519,20 +539,24 @@ def _check_rng_state(state: Any, name: str) -> None:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore the random number generator states captured by :func:`rng_state`.
+    """Restore, in this process, the random number generator states captured by :func:`rng_state`.
+
+    To resume from a checkpoint, restore the list that :func:`rng_state_all` saved with
+    :func:`set_rng_state_all`, which sets each rank's own entry (docs/reliability.md, "Exact
+    resume").
 
     Args:
-        state: a dict from :func:`rng_state` (possibly after ``dml.save`` / ``dml.load``).
+        state: a dict from :func:`rng_state`.
 
     Raises:
         TypeError: ``state`` is not a dict.
         ValueError: ``state`` lacks one of the keys ``"torch"``, ``"numpy"``, ``"python"``.
 
     Example:
-        >>> dml.save(backend, {"rng": dml.rng_state()}, "ckpt.pt")
-        >>> first = torch.rand(2)
-        >>> dml.set_rng_state(dml.load(backend, "ckpt.pt")["rng"])
-        >>> torch.equal(torch.rand(2), first)  # the same draws again
+        >>> state = dml.rng_state()
+        >>> first = np.random.rand(2)
+        >>> dml.set_rng_state(state)
+        >>> bool((np.random.rand(2) == first).all())  # the same draws again
         True
     """
     _check_rng_state(state, "set_rng_state: state")
@@ -550,7 +574,9 @@ def rng_state_all(backend: Backend) -> list[dict[str, Any]]:
     """Every rank's :func:`rng_state`, in rank order, on every rank (one collective).
 
     The per-rank counterpart of ``torch.cuda.get_rng_state_all()``: save the list with
-    ``dml.save`` (rank 0 writes it) and restore it with :func:`set_rng_state_all`.
+    ``dml.save`` (rank 0 writes it) and restore it with :func:`set_rng_state_all`. This is
+    what a checkpoint holds, in the exact-resume recipe (docs/reliability.md, "Exact
+    resume"); ``dml.rng_state()`` alone would save rank 0's streams only.
 
     Args:
         backend: from ``dml.get_distributed_backend``.
@@ -571,7 +597,9 @@ def set_rng_state_all(backend: Backend, states: list[dict[str, Any]]) -> None:
 
     No communication: every rank checks the whole list the same way, so a list of the
     wrong length (a checkpoint of a job with another number of ranks) raises on every
-    rank, and no rank restores anything unless every entry is a state.
+    rank, and no rank restores anything unless every entry is a state. With the loaders'
+    own generators, a run resumed so is bitwise the uninterrupted one (the exact-resume
+    recipe, docs/reliability.md, "Exact resume").
 
     Args:
         backend: from ``dml.get_distributed_backend``.
