@@ -22,13 +22,13 @@ from train_bodies import TrainCase, train_cases, train_overlap_body, unused_para
 
 
 @settings(max_examples=40, deadline=None)
-@given(case=grad_cases(), world=st.integers(1, 3))
+@given(case=grad_cases(), world=st.integers(1, 5))
 def test_grad_is_reduced_when_backward_returns(case: GradCase, world: int) -> None:
     dml.LocalBackend.spawn(world, grads_ready_body, case, timeout=60)
 
 
 @settings(max_examples=15, deadline=None)
-@given(case=train_cases(), world=st.integers(1, 3))
+@given(case=train_cases(), world=st.integers(1, 5))
 def test_training_with_overlap_equals_the_big_batch(case: TrainCase, world: int) -> None:
     dml.LocalBackend.spawn(world, train_overlap_body, case, timeout=60)
 

@@ -45,7 +45,7 @@ from sharded_bodies import (
 
 
 @settings(max_examples=40, deadline=None)
-@given(case=shard_cases(KINDS), world=st.integers(1, 3))
+@given(case=shard_cases(KINDS), world=st.integers(1, 5))
 def test_sharded_equals_unsharded(case: ShardCase, world: int) -> None:
     flats = dml.LocalBackend.spawn(world, equivalence_body, case, timeout=60)
     assert all(f == flats[0] for f in flats)
