@@ -37,7 +37,7 @@ import torch
 from distutils_ml.backends.base import Backend, ReduceOp, resolve_op
 from distutils_ml.collectives import allgather, allreduce
 from distutils_ml.commthread import comm_thread
-from distutils_ml.objects import allgather_object, digest
+from distutils_ml.objects import allgather_object, digest, exclusive
 from distutils_ml.tcpring import TcpRing, ring_for
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "GradientReducer"]
@@ -239,14 +239,11 @@ class GradientReducer:
 
     def reduce(self, backend: Backend) -> None:
         """Make every parameter's ``.grad`` the ``op`` of all ranks' gradients now (a sparse one becomes dense)."""
-        backend._enter(self.caller)  # one thread at a time: the reduction is several collectives
-        try:
+        with exclusive(backend, self.caller):  # one thread at a time: the reduction is several collectives
             self.plan(backend)
             state = self._new_round(-1)
             self._flush(backend, state, overlap=False)
             self._finish(backend, state)
-        finally:
-            backend._leave()
 
     # -- during backward -------------------------------------------------------------------
 
@@ -339,11 +336,8 @@ class GradientReducer:
             if self.overlap:
                 self._flush(backend, state, overlap=True)
             else:
-                backend._enter(self.caller)
-                try:
+                with exclusive(backend, self.caller):
                     self._flush(backend, state, overlap=False)
-                finally:
-                    backend._leave()
             self._finish(backend, state)
         finally:
             self._round = None
@@ -351,8 +345,8 @@ class GradientReducer:
 
     def reset(self) -> None:
         """Forget a reduction a failed backward left unfinished (after its sent buckets have gone)."""
-        if self._round is not None and self.backend is not None and self.backend._comm is not None:
-            self.backend._comm.wait(errors=False)
+        if self._round is not None and self.backend is not None:
+            self.backend.wait_for_comm_thread(errors=False)
         self._round = None
 
     # -- sending ---------------------------------------------------------------------------

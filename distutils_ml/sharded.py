@@ -638,8 +638,8 @@ class ShardedOptimizer(DistributedOptimizer):
 
     def _reset_round(self) -> None:
         """Forget a reduction a failed backward left unfinished (after its sent buckets have gone)."""
-        if self._round is not None and self._backend._comm is not None:
-            self._backend._comm.wait(errors=False)
+        if self._round is not None:
+            self._backend.wait_for_comm_thread(errors=False)
         self._round = None
 
     def _end_of_backward(self) -> None:
@@ -1051,7 +1051,7 @@ class ShardedOptimizer(DistributedOptimizer):
             (torch.Size([1, 4]), device(type='cpu'))
         """
         to = _check_to(to, self._backend.size)
-        if self._backend._entry._is_owned():  # inside another collective, which runs this on one rank only
+        if self._backend.in_collective():  # inside another collective, which runs this on one rank only
             raise RuntimeError(
                 "DistributedOptimizer(shard_state=True).state_dict() is a collective (every rank consolidates the "
                 "state), called here from inside another collective on this rank alone, where it would wait for "

@@ -134,14 +134,8 @@ class TcpRing:
     def _watched(self, kind: str, array: np.ndarray, op: ReduceOp | None) -> Iterator[None]:
         """Shown to the backend's stall watchdog as one of its own collectives while it runs; counted in ``calls``."""
         self.calls[kind] += 1
-        record = getattr(self._backend, "_begin", None)
-        if record is not None:
-            record(kind, array, op, -1)
-        try:
+        with self._backend.watched(kind, array, op):
             yield
-        finally:
-            if record is not None:
-                self._backend._inflight = None  # type: ignore[attr-defined]
 
     def _reduce_scatter(self, chunks: list[np.ndarray], out: list[Any], op: ReduceOp) -> None:
         """Ring reduce-scatter of ``chunks`` (chunk k: this rank's part k); rank r ends with part r in ``out[r]``.

@@ -9,12 +9,13 @@ and reduces bytes; it never sees a bad argument.
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
 import operator
 import pickle
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import numpy as np
@@ -125,6 +126,30 @@ class Backend(abc.ABC):
     def _leave(self) -> None:
         self._entry.release()
 
+    def in_collective(self) -> bool:
+        """Whether the calling thread is inside one of this backend's collectives now."""
+        return _owner(self._entry) == threading.get_ident()
+
+    def wait_for_comm_thread(self, *, errors: bool = True) -> None:
+        """Return once every job queued on this backend's communication thread has run (at once if none was
+        started); re-raise the first error a job raised (``errors``)."""
+        if self._comm is not None:
+            self._comm.wait(errors=errors)
+
+    @contextlib.contextmanager
+    def watched(self, kind: str, array: np.ndarray, op: ReduceOp | None) -> Iterator[None]:
+        """Show a collective this backend does not make itself (one over a TCP ring, say) to its stall watchdog
+        as one of its own while it runs (backends without a watchdog: nothing)."""
+        begin = getattr(self, "_begin", None)  # the MPI backend's in-flight record
+        if begin is None:
+            yield
+            return
+        begin(kind, array, op, -1)
+        try:
+            yield
+        finally:
+            self._inflight = None
+
     def _check_call(  # noqa: B027 - optional: backends without a debug mode keep this no-op
         self, kind: str, shape: Any, dtype: str | None, op: ReduceOp | None, root: int
     ) -> None:
@@ -212,8 +237,7 @@ class Backend(abc.ABC):
 
 def busy(backend: Backend, caller: str) -> RuntimeError:
     """The error for a thread that enters a collective while another thread is inside one on ``backend``."""
-    found = re.search(r"owner=(\d+)", repr(backend._entry))  # CPython's RLock repr names its owner's ident
-    owner = int(found.group(1)) if found else 0
+    owner = _owner(backend._entry)
     names = {t.ident: t.name for t in threading.enumerate()}
     me = threading.current_thread().name
     return RuntimeError(
@@ -223,6 +247,12 @@ def busy(backend: Backend, caller: str) -> RuntimeError:
         "every collective from one thread, or give the other thread a backend of its own over its own "
         "communicator, e.g. dml.MPIBackend(comm=MPI.COMM_WORLD.Dup()), created on every rank in the same order"
     )
+
+
+def _owner(lock: Any) -> int:
+    """The ident of the thread holding RLock ``lock`` (0: none), from CPython's repr, which names it."""
+    found = re.search(r"owner=(\d+)", repr(lock))
+    return int(found.group(1)) if found else 0
 
 
 def check_backend(backend: Any, caller: str) -> None:
