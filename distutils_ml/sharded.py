@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,11 +39,12 @@ import numpy as np
 import torch
 from torch.utils._foreach_utils import _device_has_foreach_support
 
-from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
+from distutils_ml.backends.base import Backend, ReduceOp, resolve_op
+from distutils_ml.buckets import default_bucket_bytes, default_overlap
 from distutils_ml.collectives import allgather, allreduce, reduce_scatter
 from distutils_ml.commthread import comm_thread
 from distutils_ml.objects import allgather_object, exclusive
-from distutils_ml.optimizer import DistributedOptimizer, check_wrapped, default_bucket_bytes, default_overlap
+from distutils_ml.optimizer_base import DataParallelOptimizer
 from distutils_ml.reducer import (
     _RING_DTYPES,
     _comm_stream,
@@ -187,7 +187,7 @@ class _Round:
     events: list[tuple[torch.device, Any]] = field(default_factory=list)  # (device, CUDA event) per bucket
 
 
-class ShardedOptimizer(DistributedOptimizer):
+class ShardedOptimizer(DataParallelOptimizer):
     """``DistributedOptimizer`` whose optimizer state is sharded over the ranks (ZeRO-1).
 
     Create it as ``dml.DistributedOptimizer(backend, optimizer, shard_state=True)``
@@ -239,6 +239,7 @@ class ShardedOptimizer(DistributedOptimizer):
 
     # GradScaler then calls step() whatever it found, and step() refuses it on every rank alike.
     _step_supports_amp_scaling = True
+    _form = "ShardedOptimizer"
 
     def __init__(
         self,
@@ -252,35 +253,21 @@ class ShardedOptimizer(DistributedOptimizer):
         backward_passes_per_step: int = 1,
         shard_state: bool = True,
     ) -> None:
-        check_backend(backend, "DistributedOptimizer")
-        if shard_state is not True:
-            raise ValueError(
-                f"shard_state: got {shard_state!r}; ShardedOptimizer always shards (use dml.DistributedOptimizer "
-                "for shard_state=False)"
-            )
-        check_wrapped(
+        super().__init__(
+            backend,
             optimizer,
-            backward_passes_per_step,
-            "dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters()), shard_state=True)",
+            passes=backward_passes_per_step,
+            shard_state=shard_state,
+            example="dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters()), shard_state=True)",
         )
-        check_shardable(optimizer)
         self._op = resolve_op(op)
         self._wire = check_communication_dtype(communication_dtype)
         self._bucket_bytes = default_bucket_bytes(backend, bucket_bytes)
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        params = self._params_now()
         for p in params:
             if p.layout != torch.strided:
                 raise TypeError("DistributedOptimizer: sparse parameters are not supported; use dense tensors")
-        self._backend = backend
-        self.optimizer = optimizer
         self._overlap = default_overlap(backend) if overlap is None else bool(overlap)
-        self._passes_per_step = backward_passes_per_step
-        self._passes = 0
-        self._synchronized = False
-        self._no_sync = False
-        self._late = False
-        self._dirty = False  # a backward accumulated gradients no reduction has covered
-        self._reduced = False  # a backward reduced the gradients since the last step / zero_grad
         self._stale = False  # the gradient buffers hold a reduction: zero_grad() comes before the next backward
         self._round: _Round | None = None
         self._skipped_task = -1
@@ -288,9 +275,17 @@ class ShardedOptimizer(DistributedOptimizer):
         self._ring: TcpRing | None = None
         self._hooks: list[Any] = []
         self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._build(params)
+
+    def _check_shard_state(self, shard_state: Any) -> None:
+        if shard_state is not True:
+            raise ValueError(
+                f"shard_state: got {shard_state!r}; ShardedOptimizer always shards (use dml.DistributedOptimizer "
+                "for shard_state=False)"
+            )
+
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        check_shardable(optimizer)
 
     # -- layout ----------------------------------------------------------------------------
 
@@ -506,9 +501,6 @@ class ShardedOptimizer(DistributedOptimizer):
         """Whether buckets are reduce-scattered on the communication thread while backward runs."""
         return self._overlap
 
-    def __repr__(self) -> str:
-        return f"ShardedOptimizer(op={self._op!r}, optimizer={self.optimizer!r})"
-
     # -- agreement ---------------------------------------------------------------------------
 
     def _agree(self) -> None:
@@ -530,9 +522,6 @@ class ShardedOptimizer(DistributedOptimizer):
             v is not None and (p.data_ptr() != v.data_ptr() or p.shape != v.shape)
             for p, v in zip(self._params, self._values, strict=True)
         )
-
-    def _params_now(self) -> list[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
 
     # -- reduction during backward -------------------------------------------------------------
 
@@ -656,8 +645,7 @@ class ShardedOptimizer(DistributedOptimizer):
             self._finish(state)
         finally:
             self._round = None
-        self._reduced = True
-        self._dirty = False
+        self._backward_reduced()
 
     def _send_ready(self, state: _Round) -> None:
         while state.sent < len(self._buckets) and state.waiting[state.sent] == 0:
@@ -818,30 +806,7 @@ class ShardedOptimizer(DistributedOptimizer):
             state.changed = self._changed()
             self._flush(state, overlap=False)
             self._finish(state)
-        self._dirty = False
-
-    def _skip_backward(self) -> bool:
-        """Asked at the first gradient of each backward: True leaves this backward's gradients unreduced."""
-        if self._no_sync:
-            self._dirty = True
-            return True
-        self._passes += 1
-        if self._passes % self._passes_per_step:
-            self._dirty = True
-            return True
-        return False
-
-    def synchronize(self) -> None:
-        """Make sure this rank's shard of the gradients is reduced now; ``step()`` then won't reduce again.
-
-        After a ``backward()`` (outside ``no_sync()``) it already is, and this only marks the
-        step. Gradients accumulated inside ``no_sync()``, or set by hand, are reduce-scattered here.
-        """
-        if self._synchronized or (self._reduced and not self._dirty):
-            self._synchronized = True
-            return
-        self._reduce()
-        self._synchronized = True
+        self._advance("reduce")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients: ``.grad`` becomes None (or zeros with ``set_to_none=False``), ready for a backward.
@@ -849,8 +814,12 @@ class ShardedOptimizer(DistributedOptimizer):
         With ``set_to_none=True`` the next backward's gradients are copied into the flat gradient
         buffer as they arrive; with False backward adds into the zeroed buffer.
         """
-        self._end_pending_step()
+        super().zero_grad(set_to_none)
+
+    def _forget_round(self) -> None:
         self._reset_round()
+
+    def _clear_grads(self, set_to_none: bool) -> None:
         self._stale = False
         if not set_to_none:
             for flat in self._flats:
@@ -882,20 +851,19 @@ class ShardedOptimizer(DistributedOptimizer):
                 "so ranks could disagree about skipping a step. Train with bfloat16 autocast (no scaler needed), or "
                 "use shard_state=False"
             )
-        for hook in list(self._optimizer_step_pre_hooks.values()):
-            hook(self, (), {})
+        return super().step(closure)
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._no_sync and not self._synchronized and (self._dirty or not self._reduced):
+        if not self._no_sync and self._unreduced():
             self._reduce()
-        self._end_pending_step()
+        self._end_step()
         self._step_shard()
         if loss is not None and not self._no_sync:
             loss = self._reduce_loss(loss)
-        for hook in list(self._optimizer_step_post_hooks.values()):
-            hook(self, (), {})
         return loss
 
     def _step_shard(self) -> None:
@@ -915,12 +883,6 @@ class ShardedOptimizer(DistributedOptimizer):
         with exclusive(self._backend, "DistributedOptimizer.step"):
             for b in self._buckets:
                 self._allgather(b)
-
-    def _reduce_loss(self, loss: Any) -> Any:
-        if isinstance(loss, torch.Tensor):
-            value = loss.detach().clone() if loss.dtype.is_floating_point else loss.detach().double()
-            return allreduce(self._backend, value, self._op)
-        return float(allreduce(self._backend, np.array(float(loss)), self._op))
 
     # -- clipping ------------------------------------------------------------------------------
 
