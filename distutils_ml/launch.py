@@ -44,23 +44,29 @@ in ``.py`` is never taken for the script. Everything after the script goes to th
 
 from __future__ import annotations
 
-import ctypes
 import os
-import re
-import select
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import NamedTuple
+
+from distutils_ml.mpiexec_options import (
+    EXPORT_OPTION,
+    HOST_OPTIONS,
+    MCA_OPTIONS,
+    OVERSUBSCRIBE_OPTIONS,
+    PLACEMENT_OPTIONS,
+    ROOT_OPTIONS,
+    exports,
+    given_options,
+    values_taken,
+)
+from distutils_ml.supervise import run_supervised
 
 __all__ = ["Command", "LaunchArgs", "build_command", "cpu_cores", "find_mpiexec", "main", "parse_args"]
 
@@ -115,74 +121,8 @@ _MCA_DEFAULTS = {
 # Rank 0 writes every rank's host to this file (MPIBackend), so that the launcher can name the
 # ranks of a node that mpiexec reports lost.
 _RANK_HOSTS_VAR = "DML_RANK_HOSTS"
-# Open MPI 5 (PRRTE) and 4 (ORTE) when a node stops answering; Open MPI may still exit 0 after it.
-_LOST_NODE = re.compile(rb"[PO]RTE has lost communication with a remote daemon.*?Remote daemon:.*? on node (\S+)", re.S)
 _MCA_ENV_PREFIXES = ("PRTE_MCA_", "OMPI_MCA_")
 _ROOT_VARS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
-# Options by their name without dashes, as both mpiexecs read them (Open MPI turns -name into --name).
-_ROOT_OPTIONS = {"allow-run-as-root"}
-_HOST_OPTIONS = {"H", "host", "hostfile", "machinefile"}
-_PLACEMENT_OPTIONS = {"bind-to", "bindto", "map-by", "mapby"}
-_OVERSUBSCRIBE_OPTIONS = {"oversubscribe"}
-_EXPORT_OPTION = "x"
-_MCA_OPTIONS = ("mca", "gmca", "omca", "gomca", "prtemca", "pmixmca")
-
-
-class _Takes(NamedTuple):
-    """The values an mpiexec option takes: their names, one word per argument after the option.
-
-    ``joined``: a single ``NAME=VALUE`` argument may stand for both (Hydra's ``-env`` and ``-genv``).
-    """
-
-    values: str
-    joined: bool = False
-
-
-_VALUE = _Takes("VALUE")
-# Every mpiexec option that takes values, by its name without dashes, with the values it takes; all
-# others take none. The parser skips these values, so a value ending in .py is never the script.
-# Spellings: --name VALUE, -name VALUE and --name=VALUE (Hydra reads any number of dashes and
-# splits at "="; Open MPI turns -name into --name, but takes --map-by, --rank-by, --bind-to and
-# --runtime-options only so spelled, or as --mapby, --rankby, --bindto, --rtos with or without =).
-# Sources: Open MPI 5.0's mpiexec is PRRTE 3.0's prterun with the "ompi" personality: the option
-# list of src/mca/schizo/ompi/schizo_ompi.c, read by OpenPMIx's src/util/pmix_cmd_line.c, which
-# takes two values after every option whose name ends in "mca" and after --prepend-env and
-# --append-env. Hydra's is HYD_mpiexec_match_table in MPICH's src/pm/hydra/mpiexec/options.c (the
-# same from MPICH 3.4 to 5.0); its -env/-genv take NAME VALUE or NAME=VALUE. Both mpiexecs: host,
-# hostfile, machinefile, wdir, memory-alloc-kinds, bind-to, map-by. -n, --n, -np, --np are the launcher's.
-_OPTION_VALUES: dict[str, _Takes] = {
-    # Open MPI: two values.
-    **dict.fromkeys(_MCA_OPTIONS, _Takes("NAME VALUE")),
-    "amca": _Takes("FILE VALUE"),  # ends in "mca", so PMIx's parser takes FILE and the argument after it
-    **dict.fromkeys(("prepend-env", "append-env"), _Takes("NAME[SEP] VALUE")),
-    # Open MPI: one value.
-    **dict.fromkeys(
-        (
-            "x", "H", "host", "hostfile", "machinefile", "default-hostfile", "c", "N", "app", "wdir", "wd",
-            "path", "prefix", "app-pmix-prefix", "launch-agent", "tmpdir", "tune", "am", "unset-env", "pset",
-            "preload-files", "output", "output-directory", "output-filename", "stdin", "xterm", "timeout",
-            "spawn-timeout", "forward-signals", "report-pid", "report-uri", "personality", "dvm",
-            "max-vm-size", "map-by", "mapby", "rank-by", "rankby", "bind-to", "bindto", "runtime-options",
-            "rtos", "display", "display-topo", "rankfile", "cpu-set", "cpu-list", "cpus-per-proc",
-            "cpus-per-rank", "npernode", "npersocket", "ppr", "max-restarts", "with-ft", "initial-errhandler",
-            "memory-alloc-kinds", "gpu-support", "stream-buffering", "arch", "file",
-        ),
-        _VALUE,
-    ),
-    # Hydra (MPICH, Intel MPI).
-    **dict.fromkeys(("env", "genv"), _Takes("NAME VALUE", joined=True)),
-    **dict.fromkeys(
-        (
-            "envlist", "genvlist", "f", "machine", "machines", "machinelist", "hosts", "hostlist", "ppn",
-            "rankmap", "configfile", "launcher", "launcher-exec", "bootstrap", "bootstrap-exec", "rmk",
-            "topolib", "binding", "membind", "demux", "iface", "localhost", "nameserver", "order-nodes", "usize",
-            "g", "gpus-per-proc", "gpu-subdevs-per-proc", "output-from", "prepend-pattern", "outfile-pattern",
-            "errfile-pattern", "outfile", "errfile",
-        ),
-        _VALUE,
-    ),
-    "pmi_args": _Takes("PORT INTERFACE KEY PID"),  # given by a singleton MPI process that starts mpiexec
-}  # fmt: skip
 # The ranks' runner: mpi4py's, which turns a non-zero SystemExit or Ctrl-C on any rank into MPI_Abort.
 _RUNNER = ("-m", "mpi4py")
 _NOT_OPEN_MPI = ("HYDRA", "MPICH", "Intel(R) MPI")  # Hydra launchers: no such flags, forward the environment
@@ -269,7 +209,10 @@ def parse_args(argv: Sequence[str]) -> LaunchArgs:
         elif arg == "--dry-run":
             dry_run = True
         else:
-            taken = _values_taken(arg, args[i + 1 :])  # e.g. --mca plm_ssh_agent agent.py
+            try:
+                taken = values_taken(arg, args[i + 1 :])  # e.g. --mca plm_ssh_agent agent.py
+            except ValueError as e:
+                raise ValueError(f"{e}\n{USAGE}") from None
             options += args[i : i + 1 + taken]
             i += taken
         i += 1
@@ -338,9 +281,9 @@ def build_command(
     cores = cores or cpu_cores()
     environ = os.environ if environ is None else environ
     options = args.mpiexec_options
-    given = _given_options(options)
+    given = given_options(options)
     names = {name for name, _ in given}
-    exported = [values[0] for name, values in given if name == _EXPORT_OPTION]
+    exported = [values[0] for name, values in given if name == EXPORT_OPTION]
     users_threads = _users_variable("OMP_NUM_THREADS", exported, environ)
     if args.threads_per_rank is None and users_threads is not None:
         threads, env = _leading_int(users_threads), {}
@@ -351,18 +294,18 @@ def build_command(
         env[_THP_VAR] = "1"
     added: list[str] = []
     if open_mpi:
-        if args.ranks > cores and not names & (_OVERSUBSCRIBE_OPTIONS | _HOST_OPTIONS):
+        if args.ranks > cores and not names & (OVERSUBSCRIBE_OPTIONS | HOST_OPTIONS):
             added.append("--oversubscribe")
-        if threads > 1 and not names & _PLACEMENT_OPTIONS:
+        if threads > 1 and not names & PLACEMENT_OPTIONS:
             added += ["--bind-to", "none"]
         # -x reaches the ranks on every host; mpiexec's own environment reaches only local ones.
         for name, value in env.items():
             added += ["-x", f"{name}={value}"]
         for name in sorted(environ):  # the library's settings and the user's own thread settings, as they are
             ours = name.startswith(_LIBRARY_PREFIX) or name in (*_THREAD_VARS, _THP_VAR)
-            if ours and name not in env and not _exports(exported, name):
+            if ours and name not in env and not exports(exported, name):
                 added += ["-x", name]
-        set_by_user = {values[0] for name, values in given if name in _MCA_OPTIONS}
+        set_by_user = {values[0] for name, values in given if name in MCA_OPTIONS}
         for parameter, value in _MCA_DEFAULTS.items():
             in_environ = any(prefix + parameter in environ for prefix in _MCA_ENV_PREFIXES)
             if parameter not in set_by_user and not in_environ:
@@ -416,11 +359,11 @@ def main(argv: Sequence[str] | None = None, *, python: str | None = None) -> int
         print(command)
         return 0
     if not open_mpi:
-        return _run(command)
+        return run_supervised(command.argv, command.env)
     with tempfile.TemporaryDirectory(prefix="dml-launch-") as tmp:
         rank_hosts = Path(tmp) / "rank-hosts"
         argv = [command.argv[0], "-x", f"{_RANK_HOSTS_VAR}={rank_hosts}", *command.argv[1:]]
-        return _run(Command(argv, command.env), rank_hosts)
+        return run_supervised(argv, command.env, rank_hosts)
 
 
 def _positive_int(option: str, text: str) -> int:
@@ -431,53 +374,6 @@ def _positive_int(option: str, text: str) -> int:
     if number < 1:
         raise ValueError(f"{option} takes a positive whole number, got {text!r}\n{USAGE}")
     return number
-
-
-def _values_taken(arg: str, following: Sequence[str]) -> int:
-    """How many of the arguments ``following`` mpiexec option ``arg`` are its values (0 for unknown options).
-
-    Raises:
-        ValueError: when the command line ends before them.
-    """
-    name, joined, value = arg.lstrip("-").partition("=")
-    takes = _OPTION_VALUES.get(name) if arg.startswith("-") else None
-    if takes is None:
-        return 0
-    values = [value, *following] if joined else list(following)
-    needed = 1 if takes.joined and values and "=" in values[0] else len(takes.values.split())
-    if len(values) < needed:
-        option = arg.partition("=")[0]
-        got = f"only {shlex.join(values)!r}" if values else "nothing"
-        raise ValueError(
-            f"mpiexec option {option} takes {takes.values}, got {got}; give all its values "
-            f"before the script, e.g. {option} {takes.values} train.py\n{USAGE}"
-        )
-    return needed - bool(joined)
-
-
-def _given_options(options: Sequence[str]) -> list[tuple[str, list[str]]]:
-    """The mpiexec options in ``options``, each by its name without dashes, with its values.
-
-    Example:
-        >>> _given_options(["--mca", "btl", "tcp", "-x", "A=1", "--host=a,b", "--oversubscribe"])
-        [('mca', ['btl', 'tcp']), ('x', ['A=1']), ('host', ['a,b']), ('oversubscribe', [])]
-    """
-    given = []
-    i = 0
-    while i < len(options):
-        taken = _values_taken(options[i], options[i + 1 :])
-        name, joined, value = options[i].lstrip("-").partition("=")
-        given.append((name, [value] * bool(joined) + list(options[i + 1 : i + 1 + taken])))
-        i += 1 + taken
-    return given
-
-
-def _exports(exported: Sequence[str], variable: str) -> bool:
-    """Whether the ``-x`` values ``exported`` (NAME, NAME=VALUE, or PREFIX* for all such) name ``variable``."""
-    return any(
-        export.partition("=")[0] == variable or (export.endswith("*") and variable.startswith(export[:-1]))
-        for export in exported
-    )
 
 
 def _users_variable(variable: str, exported: Sequence[str], environ: Mapping[str, str]) -> str | None:
@@ -506,135 +402,9 @@ def _is_open_mpi(mpiexec: str) -> bool:
 
 def _refuses_root(options: list[str], environ: Mapping[str, str]) -> bool:
     """Whether Open MPI would refuse this run: root without --allow-run-as-root or both OMPI_ALLOW_* = 1."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0 or _ROOT_OPTIONS & {name for name, _ in _given_options(options)}:
+    if not hasattr(os, "geteuid") or os.geteuid() != 0 or ROOT_OPTIONS & {name for name, _ in given_options(options)}:
         return False
     return not all(environ.get(name) == "1" for name in _ROOT_VARS)
-
-
-def _run(command: Command, rank_hosts: Path | None = None) -> int:
-    """Run ``command``, passing SIGINT, SIGTERM and SIGHUP on to it, and return its exit status.
-
-    On Linux, the command also gets SIGTERM if this process dies without passing a signal on.
-    Its standard error passes through this process, which watches it for a node that mpiexec
-    reports lost: the job then fails (status 1 if mpiexec said 0, as Open MPI 5 does), and the
-    lost node's ranks are named from ``rank_hosts`` (written by rank 0) when that file exists.
-    """
-    arm = _die_with_parent()
-    # preexec_fn runs between fork and exec; arm only makes four system calls (no imports, no I/O).
-    env = {**os.environ, **command.env}
-    proc = subprocess.Popen(command.argv, env=env, preexec_fn=arm, stderr=subprocess.PIPE)  # noqa: PLW1509
-    lost: dict[str, None] = {}
-
-    def forward(signum: int, _frame: FrameType | None) -> None:
-        proc.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
-    try:
-        code = _wait_copying_stderr(proc, lost)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    code = 128 - code if code < 0 else code
-    if lost:
-        hosts = _read_rank_hosts(rank_hosts)
-        named = [
-            f"{node} (rank(s) {[r for r, h in enumerate(hosts) if h == node]})" if node in hosts else node
-            for node in lost
-        ]
-        said = f"; mpiexec exited with status {code}, but a job that lost a node failed" if code == 0 else ""
-        print(f"distutils-ml launch: the job lost node(s) {', '.join(named)}{said}", file=sys.stderr, flush=True)
-        code = code or 1
-    return code
-
-
-def _wait_copying_stderr(proc: subprocess.Popen[bytes], lost: dict[str, None]) -> int:
-    """Copy ``proc``'s standard error to ours until it ends, noting each node reported lost; its exit status.
-
-    All in this one thread. The kernel sends the parent-death signal each time the thread that
-    started mpiexec ends and mpiexec passes to another of this process's threads: a reader thread
-    made a killed launcher send SIGTERM twice, and mpiexec takes a second SIGTERM as "abort now",
-    leaving the ranks running.
-    """
-    assert proc.stderr is not None
-    if os.name == "nt":  # no select() on pipes, and no parent-death signal to protect: a reader thread
-        reader = threading.Thread(target=_copy_all, args=(proc.stderr.fileno(), lost), daemon=True)
-        reader.start()
-        code = proc.wait()
-        reader.join(timeout=2)
-        return code
-    fd, tail, ended = proc.stderr.fileno(), b"", None
-    # Not until end of file alone: a daemon left on a lost node may hold mpiexec's standard error open.
-    while ended is None or time.monotonic() - ended < 2:
-        if ended is None and proc.poll() is not None:
-            ended = time.monotonic()
-        if select.select([fd], [], [], 0.2)[0]:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            tail = _copy_chunk(chunk, tail, lost)
-    return proc.wait()
-
-
-def _copy_all(fd: int, lost: dict[str, None]) -> None:
-    """Copy ``fd`` to our standard error until end of file (see :func:`_copy_chunk`)."""
-    tail = b""
-    while chunk := os.read(fd, 65536):
-        tail = _copy_chunk(chunk, tail, lost)
-
-
-def _copy_chunk(chunk: bytes, tail: bytes, lost: dict[str, None]) -> bytes:
-    """Write ``chunk`` to our standard error, note each node it reports lost in ``lost``; the new tail."""
-    out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
-    if out is not None:
-        out.write(chunk)
-        out.flush()
-    else:
-        sys.stderr.write(chunk.decode(errors="replace"))
-    window = tail + chunk
-    for match in _LOST_NODE.finditer(window):
-        lost[match.group(1).decode(errors="replace")] = None
-    return window[-1024:]  # a report split across two reads is still found (once: lost is a set)
-
-
-def _read_rank_hosts(path: Path | None) -> list[str]:
-    """Each rank's host as rank 0 wrote them (empty when it did not: rank 0 ran elsewhere, or never started)."""
-    try:
-        return path.read_text().split() if path is not None else []
-    except OSError:
-        return []
-
-
-# SIGHUP: the terminal or SSH session closed. Windows has none.
-_FORWARDED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that has the child sent SIGTERM when this process dies (Linux), else None.
-
-    The kernel's parent-death signal fires when the thread that started the child ends, so
-    the launcher runs mpiexec from its main thread. If the launcher died before the child
-    armed the signal, the child ends itself at once.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    parent = os.getpid()
-
-    def arm() -> None:  # in the child, between fork and exec
-        # Its standard error is a pipe to this process: once this process is dead, a write there must
-        # not kill mpiexec (SIGPIPE) before it has ended the ranks.
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return arm
 
 
 if __name__ == "__main__":

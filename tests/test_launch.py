@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from distutils_ml import launch
+from distutils_ml import launch, mpiexec_options
 from distutils_ml.launch import build_command, find_mpiexec, main, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,11 +148,11 @@ def spellings(name: str, values: list[str]) -> list[list[str]]:
     return short + long
 
 
-TABLE = sorted(launch._OPTION_VALUES.items())
+TABLE = sorted(mpiexec_options.OPTION_VALUES.items())
 
 
 @pytest.mark.parametrize(("name", "takes"), TABLE, ids=[name for name, _ in TABLE])
-def test_every_value_taking_option_keeps_its_values(name: str, takes: launch._Takes) -> None:
+def test_every_value_taking_option_keeps_its_values(name: str, takes: mpiexec_options.Takes) -> None:
     values = [f"{word.lower()}.py" for word in takes.values.split()]  # values that look like scripts
     for given in spellings(name, values):
         args = parse_args(["-n", "2", *given, "train.py", "a.py"])
@@ -170,7 +170,7 @@ def test_every_value_taking_option_keeps_its_values(name: str, takes: launch._Ta
 
 @pytest.mark.parametrize(("name", "takes"), TABLE, ids=[name for name, _ in TABLE])
 def test_an_option_missing_its_values_exits_2_with_usage(
-    capsys: pytest.CaptureFixture[str], name: str, takes: launch._Takes
+    capsys: pytest.CaptureFixture[str], name: str, takes: mpiexec_options.Takes
 ) -> None:
     values = [f"{word.lower()}.py" for word in takes.values.split()]
     for given in spellings(name, values):
