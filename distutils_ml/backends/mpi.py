@@ -7,21 +7,18 @@ cache and reuse Open MPI's temporary buffers. ``AVG`` sums and divides each segm
 while it is still in cache. float16/bfloat16 are reduced in float32 by the
 collectives layer (MPI has no portable half-precision reductions).
 
-Loading this backend installs a fail-fast hook: an uncaught exception on any rank
-prints the traceback with the rank and aborts the whole job (``MPI_Abort``), so the
-other ranks never wait forever in a collective.
+Making this backend installs the fail-fast hook of :mod:`distutils_ml.backends.failfast`: an
+uncaught exception on any rank prints the traceback with the rank and aborts the whole job
+(``MPI_Abort``), so the other ranks never wait forever in a collective.
 """
 
 from __future__ import annotations
 
-import atexit
 import collections
 import contextlib
 import os
 import sys
-import threading
 import time
-import traceback
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
@@ -30,6 +27,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from distutils_ml.backends.base import Backend, ReduceOp
+from distutils_ml.backends.failfast import check_not_split_by_launcher, install_fail_fast
 from distutils_ml.watchdog import (
     CollectiveMismatchError,
     MPIWatchdog,
@@ -161,7 +159,7 @@ class MPIBackend(Backend):
         self._rank = self.comm.Get_rank()
         self._size = self.comm.Get_size()
         if comm is None and self._size == 1:
-            _check_not_split_by_launcher()
+            check_not_split_by_launcher()
         # The rank among processes of this node (shared memory), for GPU placement.
         node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self._rank)
         self.node_local_rank: int = node.Get_rank()
@@ -511,28 +509,6 @@ def _agree_on_options(comm: Any, host: str, options: dict[str, Any]) -> list[str
     return hosts
 
 
-#: Variables in which a launcher says how many processes it started (SLURM's srun, Open MPI's, Hydra's).
-_LAUNCHED_SIZE_VARS = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-
-
-def _check_not_split_by_launcher() -> None:
-    """Raise when MPI says this process is a world of one but its launcher started several.
-
-    That is a launcher and an MPI library that do not speak to each other (srun without a PMI
-    the MPI understands, another MPI's mpiexec): every process, or every node, trains alone.
-    """
-    for name in _LAUNCHED_SIZE_VARS:
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) > 1:
-            raise RuntimeError(
-                f"MPIBackend: MPI says this process is a world of one, but {name}={value} says its launcher "
-                f"started {value} processes: MPI did not connect them, so each would train alone. Usual causes: "
-                "srun without --mpi=pmix (or with a PMI this MPI does not speak: see srun --mpi=list), or an "
-                "mpiexec of another MPI than the one mpi4py was built with (compare `which mpiexec` with "
-                "python -c 'from mpi4py import MPI; print(MPI.Get_library_version())')."
-            )
-
-
 def _write_rank_hosts(hosts: list[str]) -> None:
     """Write each rank's host, one a line, where ``distutils-ml launch`` asked (``DML_RANK_HOSTS``).
 
@@ -551,61 +527,3 @@ def ranks_on_hosts(ranks: list[int], hosts: list[str]) -> str:
     """``ranks`` with their hosts, e.g. ``rank(s) [2, 3] on node-b``; ``[0, 2] on node-a, node-c``."""
     names = list(dict.fromkeys(hosts[r] for r in ranks))
     return f"rank(s) {ranks} on {', '.join(names)}"
-
-
-_hook_lock = threading.Lock()
-_hook_installed = False
-
-
-def _report_and_abort(  # noqa: PLR0917 - private
-    MPI: Any, exc_type: type[BaseException], exc: BaseException, tb: Any, note: str = "", then: Any = None
-) -> None:
-    """Print the traceback with the rank on every line, run ``then`` (a previous hook), then abort the MPI job."""
-    rank = MPI.COMM_WORLD.Get_rank()
-    size = MPI.COMM_WORLD.Get_size()
-    text = "".join(traceback.format_exception(exc_type, exc, tb))
-    lines = "".join(f"[rank {rank}] {line}\n" for line in text.rstrip("\n").split("\n"))
-    try:
-        where = f"rank {rank} of {size} (on {MPI.Get_processor_name()})"
-        head = f"[rank {rank}] distutils_ml: uncaught exception on {where}{note}; aborting the MPI job"
-        sys.stderr.write(f"{head}\n{lines}")
-        sys.stderr.flush()
-        sys.stdout.flush()
-    finally:
-        try:
-            if then is not None:
-                then(exc_type, exc, tb)
-        finally:
-            abort_job(MPI)
-
-
-def install_fail_fast(MPI: Any) -> None:
-    """Make an uncaught exception on this rank print its traceback and abort the MPI job.
-
-    Without it, the other ranks would wait forever in their next collective. Two
-    mechanisms, so the abort does not depend on who owns ``sys.excepthook``:
-
-    - a ``sys.excepthook`` that aborts at once (the previous hook still runs first);
-    - an exit handler that aborts when the interpreter ends after an uncaught exception
-      (``sys.last_value`` is set), for when another library (rich, IPython, sentry)
-      replaced our hook after it was installed.
-    """
-    global _hook_installed
-    with _hook_lock:
-        if _hook_installed:
-            return
-        _hook_installed = True
-    previous = sys.excepthook
-
-    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
-        _report_and_abort(MPI, exc_type, exc, tb, then=None if previous is sys.__excepthook__ else previous)
-
-    def at_exit() -> None:
-        exc = getattr(sys, "last_value", None)
-        if exc is None or hasattr(sys, "ps1") or sys.flags.interactive or MPI.Is_finalized():
-            return  # a clean exit, or an interactive session (which shows errors and goes on)
-        _report_and_abort(MPI, type(exc), exc, exc.__traceback__, " (sys.excepthook was replaced by another library)")
-
-    sys.excepthook = hook
-    # Registered after mpi4py's own exit handler (MPI_Finalize), so it runs before it.
-    atexit.register(at_exit)
