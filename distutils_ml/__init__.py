@@ -15,9 +15,10 @@ from distutils_ml.backends.mpi import MPIBackend
 from distutils_ml.backends.nccl import NCCLBackend
 from distutils_ml.batchnorm import SyncBatchNorm, allreduce_autograd, convert_sync_batchnorm
 from distutils_ml.buffers import broadcast_buffers
-from distutils_ml.checkpoint import load, rng_state, rng_state_all, save, set_rng_state, set_rng_state_all
+from distutils_ml.checkpoint import load, save
 from distutils_ml.collectives import allgather, allreduce, barrier, bcast, reduce, reduce_scatter
-from distutils_ml.data import DistributedDataContainer, UnpaddedShare, gather_unpadded, getobs, numobs
+from distutils_ml.data import DistributedDataContainer, UnpaddedShare, getobs, numobs
+from distutils_ml.evaluation import gather_unpadded
 from distutils_ml.objects import allgather_object, bcast_object
 from distutils_ml.optimizer import (
     BackwardReduction,
@@ -27,6 +28,7 @@ from distutils_ml.optimizer import (
 )
 from distutils_ml.printing import print
 from distutils_ml.registry import get_distributed_backend, initialize, initialized, local_rank, total_workers
+from distutils_ml.rng import rng_state, rng_state_all, set_rng_state, set_rng_state_all
 from distutils_ml.sharded import ShardedOptimizer
 from distutils_ml.synchronize import synchronize
 from distutils_ml.watchdog import CollectiveMismatchError, StallError
