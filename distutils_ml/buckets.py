@@ -1,14 +1,99 @@
-"""How gradient buckets travel: the transport defaults both optimizer forms and the reducer use."""
+"""The one bucket machine: how gradients are cut into buckets and sent during (or after) backward.
+
+Both optimizer forms reduce gradients through it: ``GradientReducer`` (:mod:`distutils_ml.reducer`,
+each bucket allreduced) and ``ShardedOptimizer`` (:mod:`distutils_ml.sharded`, each bucket
+reduce-scattered, the parameters allgathered after the step). They differ only in what they send
+per bucket (:meth:`BucketMachine._fill`, :meth:`BucketMachine._communicate`), what goes after the
+last bucket (:meth:`BucketMachine._close`) and what they do when a round lands
+(:meth:`BucketMachine._finish`), as DDP's communication hooks differ.
+
+Layout (:func:`cut_buckets`). Buckets follow the parameters in reverse order (roughly the order
+backward produces their gradients), fixed when the layout is built and identical on every rank,
+and are always sent in that order. A gradient of at least ``bucket_bytes`` is a bucket of its own;
+smaller ones share buckets of about ``bucket_bytes``. The two forms cut by one rule with three
+stated differences (:class:`CutRule`): the reducer's first bucket per wire dtype is capped at
+``FIRST_BUCKET_BYTES`` and its buckets are grouped by wire dtype; the sharded form's buckets are
+ranges of flat buffers of the parameters' dtype, which fix its shard ownership and its checkpoints,
+so they are grouped by parameter dtype, uncapped, and zero-element parameters have no place.
+
+Rounds. During backward (post-accumulate-grad hooks) a bucket is ready once all its gradients
+have been accumulated, and it is sent as soon as every bucket before it has gone; the autograd
+engine's final callback sends what is left (buckets whose parameters got no gradient on this rank)
+and waits, so when ``backward()`` returns every bucket has landed. With ``overlap`` the buckets go on
+the backend's communication thread (:mod:`distutils_ml.commthread`) while backward goes on; without
+it they all go from the final callback. Each round records the order in which its buckets became
+ready; :func:`encode_order` and :func:`order_mismatch` compare it across ranks in the round's header.
+
+Transport (:func:`ring_array`): a CPU bucket of float32/float64 goes over the TCP ring
+(:mod:`distutils_ml.tcpring`) where the ranks span hosts and the ring takes it, else through the backend.
+"""
 
 from __future__ import annotations
 
+import abc
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-from distutils_ml.backends.base import Backend
-from distutils_ml.reducer import DEFAULT_BUCKET_BYTES, check_bucket_bytes
-from distutils_ml.tcpring import transport_choice
+import numpy as np
+import torch
 
-__all__ = ["NETWORK_BUCKET_BYTES", "default_bucket_bytes", "default_overlap", "spans_hosts"]
+from distutils_ml.backends.base import Backend, ReduceOp
+from distutils_ml.commthread import comm_thread
+from distutils_ml.objects import exclusive
+from distutils_ml.tcpring import TcpRing, transport_choice
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "FIRST_BUCKET_BYTES",
+    "NETWORK_BUCKET_BYTES",
+    "REDUCER_CUT",
+    "SHARDED_CUT",
+    "BucketMachine",
+    "CutRule",
+    "Round",
+    "check_bucket_bytes",
+    "check_communication_dtype",
+    "comm_stream",
+    "cut_buckets",
+    "default_bucket_bytes",
+    "default_overlap",
+    "encode_order",
+    "is_slice",
+    "order_mismatch",
+    "ring_array",
+    "spans_hosts",
+]
+
+DEFAULT_BUCKET_BYTES = 256 * 1024
+#: The first flat bucket's size when ``bucket_bytes`` is larger (``CutRule.first_capped``).
+FIRST_BUCKET_BYTES = 1 << 20
+NETWORK_BUCKET_BYTES = 4 << 20
+#: The dtypes the TCP ring reduces.
+RING_DTYPES = (torch.float32, torch.float64)
+_COMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_STREAMS: dict[Any, Any] = {}
+
+
+def check_bucket_bytes(bucket_bytes: Any) -> int:
+    """``bucket_bytes`` if it is an int >= 0, else ``ValueError``."""
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
+        raise ValueError(f"bucket_bytes: got {bucket_bytes!r}; allowed: an int >= 0")
+    return bucket_bytes
+
+
+def check_communication_dtype(dtype: Any) -> torch.dtype | None:
+    """``dtype`` if it is None or a floating-point torch dtype, else ``ValueError``."""
+    if dtype is not None and dtype not in _COMM_DTYPES:
+        raise ValueError(
+            f"communication_dtype: got {dtype!r}; allowed: None, torch.float16, torch.bfloat16, "
+            "torch.float32 or torch.float64"
+        )
+    return dtype
+
+
+# -- transport ----------------------------------------------------------------------------------
 
 
 def default_overlap(backend: Backend) -> bool:
@@ -54,4 +139,336 @@ def default_bucket_bytes(backend: Backend, bucket_bytes: int | None) -> int:
     return NETWORK_BUCKET_BYTES if spans_hosts(backend) else DEFAULT_BUCKET_BYTES
 
 
-NETWORK_BUCKET_BYTES = 4 << 20
+def ring_array(ring: TcpRing | None, tensor: torch.Tensor, op: ReduceOp) -> np.ndarray | None:
+    """The NumPy view of ``tensor`` to send over ``ring`` (the TCP ring across hosts), or None where the
+    backend carries it (no ring, a device tensor, a dtype or op the ring does not reduce)."""
+    if ring is None or tensor.device.type != "cpu" or tensor.dtype not in RING_DTYPES:
+        return None
+    array = tensor.numpy()
+    return array if ring.supports(array, op) else None
+
+
+def comm_stream(device: torch.device) -> Any:
+    """The CUDA stream buckets are reduced on, one per device."""
+    stream = _STREAMS.get(device)
+    if stream is None:
+        stream = _STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
+def is_slice(grad: torch.Tensor, flat: torch.Tensor) -> bool:
+    """Whether ``grad`` is already the bucket slice ``flat`` (then nothing needs copying)."""
+    return grad.data_ptr() == flat.data_ptr() and grad.dtype == flat.dtype and grad.is_contiguous()
+
+
+# -- layout -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CutRule:
+    """Where the two layouts differ (the module's docstring says why)."""
+
+    #: the first bucket of each group holds at most ``FIRST_BUCKET_BYTES`` (DDP's small first bucket)
+    first_capped: bool
+    #: group by wire dtype (True: a bucket is sent as it lies) or by parameter dtype (a flat buffer of parameters)
+    by_wire: bool
+    #: zero-element parameters take a place in a bucket
+    keep_empty: bool
+
+
+REDUCER_CUT = CutRule(first_capped=True, by_wire=True, keep_empty=True)
+SHARDED_CUT = CutRule(first_capped=False, by_wire=False, keep_empty=False)
+
+
+def cut_buckets(
+    params: list[torch.Tensor], bucket_bytes: int, comm_dtype: torch.dtype | None, rule: CutRule
+) -> list[tuple[bool, tuple[torch.dtype, torch.device], list[int]]]:
+    """The buckets of ``params`` in the order they are sent: (alone, (dtype, device) of the group, indices).
+
+    ``alone``: one gradient of at least ``bucket_bytes`` whose group dtype is its own (it can go as it lies).
+    Smaller gradients share a bucket per group until it holds ``bucket_bytes`` (the first one, with
+    ``rule.first_capped``, ``min(bucket_bytes, FIRST_BUCKET_BYTES)``); the buckets left open at the end
+    are placed where their last (earliest) parameter is.
+    """
+    groups: list[tuple[bool, tuple[torch.dtype, torch.device], list[int]]] = []
+    open_: dict[tuple[torch.dtype, torch.device], tuple[list[int], list[int]]] = {}  # key -> (members, bytes)
+    first = min(bucket_bytes, FIRST_BUCKET_BYTES) if rule.first_capped else bucket_bytes
+    seen: set[tuple[torch.dtype, torch.device]] = set()
+    for i in reversed(range(len(params))):
+        p = params[i]
+        if not rule.keep_empty and p.numel() == 0:
+            continue
+        wire = comm_dtype or p.dtype
+        key = (wire if rule.by_wire else p.dtype, p.device)
+        nbytes = p.numel() * wire.itemsize
+        if nbytes >= bucket_bytes and key[0] == p.dtype:
+            groups.append((True, key, [i]))
+            continue
+        members, size = open_.setdefault(key, ([], [0]))
+        members.append(i)
+        size[0] += nbytes
+        if size[0] >= (bucket_bytes if key in seen else first):
+            del open_[key]
+            seen.add(key)
+            groups.append((False, key, members))
+    for key, (members, _) in sorted(open_.items(), key=lambda kv: -min(kv[1][0])):
+        groups.append((False, key, members))
+    return groups
+
+
+# -- the ready order ----------------------------------------------------------------------------
+
+
+def encode_order(order: np.ndarray, ready_at: list[int], task: int, head_op: ReduceOp, levels: int | None) -> None:
+    """Write each bucket's ready position (``ready_at``; -1: not by hooks) into ``order`` (buckets x 3), for a
+    header reduced with ``head_op``: with MAX, (not ready here, q, levels-1 - q); else (ready, q, q * q), to sum
+    over ranks. q is the position modulo ``levels`` (a header in half precision), or whole (None)."""
+    for k, at in enumerate(ready_at):
+        ready = at >= 0 and task >= 0
+        q = (at % levels if levels else at) if ready else 0
+        if head_op is ReduceOp.MAX:
+            assert levels is not None
+            order[k] = (0.0, q, levels - 1 - q) if ready else (1.0, 0.0, 0.0)
+        else:
+            order[k] = (1.0, q, q * q) if ready else (0.0, 0.0, 0.0)
+
+
+def order_mismatch(
+    order: np.ndarray, size: int, head_op: ReduceOp, levels: int | None, *, averaged: bool
+) -> np.ndarray | None:
+    """Per bucket, whether the ranks' ready positions differ, from the reduced ``order`` of
+    :func:`encode_order` (``averaged``: reduced with AVG); None where some rank's hooks did not fire
+    for every bucket (some parameters unused there): then the order is not comparable."""
+    if head_op is ReduceOp.MAX:
+        if (order[:, 0] > 0).any():
+            return None
+        assert levels is not None
+        return order[:, 1] != (levels - 1 - order[:, 2])
+    count = order[:, 0] * (size if averaged else 1)
+    if not np.allclose(count, size):
+        return None
+    mean = order[:, 1] / order[:, 0]
+    return order[:, 2] / order[:, 0] - mean * mean > 1e-3
+
+
+def order_error(caller: str, k: int, nb: int, names: list[str]) -> RuntimeError:
+    """The error every rank raises when bucket ``k`` of ``nb`` (holding ``names``) became ready out of order."""
+    return RuntimeError(
+        f"{caller}: the gradients became ready in a different order on different ranks (bucket {k} "
+        f"of {nb}, holding {', '.join(names[:3])}): the ranks run different models or "
+        "different code paths with all parameters used. Every rank must run the same model; parameters "
+        "that some ranks do not use are allowed"
+    )
+
+
+# -- rounds -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Round:
+    """One reduction: which parameters fired, which buckets are ready and which have gone."""
+
+    task: int  # the autograd graph task of its backward; -1: a reduction called directly
+    waiting: list[int]  # per bucket: parameters not yet accumulated
+    ready_at: list[int]  # per bucket: position in the order buckets became ready; -1: not by hooks
+    has: list[bool]  # per parameter: this rank had a gradient when its bucket went
+    changed: bool = False  # the parameters changed since the layout was built
+    allocated: list[int] = field(default_factory=list)  # parameters given zeros to send
+    fired: set[int] = field(default_factory=set)
+    ready: int = 0
+    sent: int = 0
+    events: list[tuple[torch.device, Any]] = field(default_factory=list)  # (device, CUDA event) per bucket
+
+
+class BucketMachine(abc.ABC):
+    """Backward rounds over buckets: the hooks, the ready order, the final callback, the jobs.
+
+    A subclass holds the layout (``_params``, ``_index`` from ``id(param)``, ``_bucket_of`` per parameter,
+    -1 for none, and ``_buckets``, each with its ``params``) and says what happens per bucket. It sets
+    ``caller`` (error messages), ``backend`` (None until attached) and ``overlap``, registers
+    :meth:`_hook` as the post-accumulate-grad hook of its parameters and calls :meth:`_init_rounds`.
+    """
+
+    caller: str
+    backend: Any
+    overlap: bool
+    _params: list[torch.Tensor]
+    _index: dict[int, int]
+    _bucket_of: list[int]
+    _buckets: list[Any]
+
+    def _init_rounds(self) -> None:
+        self._round: Round | None = None
+        self._skipped_task = -1  # the backward that skip said to leave unreduced
+
+    # -- what a subclass says ---------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _skip_this_backward(self) -> bool:
+        """Asked once per backward, at its first hook: True leaves its gradients unreduced."""
+
+    @abc.abstractmethod
+    def _begin(self, backend: Backend, *, now: bool) -> bool:
+        """Before a round (``now``: a reduction called directly): build or check the layout; whether the
+        parameters changed since it was built."""
+
+    @abc.abstractmethod
+    def _fill(self, state: Round, k: int) -> torch.Tensor:
+        """Bucket ``k``'s gradients, ready to send (``state.has`` records which this rank had)."""
+
+    @abc.abstractmethod
+    def _communicate(self, backend: Backend, k: int, tensor: torch.Tensor) -> None:
+        """Bucket ``k``'s collective on ``tensor``."""
+
+    @abc.abstractmethod
+    def _finish(self, backend: Backend, state: Round) -> None:
+        """After every bucket landed: the gradients in place and the round's checks."""
+
+    @abc.abstractmethod
+    def _reduced_in_backward(self) -> None:
+        """After a round that ran during a backward."""
+
+    def _adopt(self, param: torch.Tensor) -> None:  # noqa: B027 - optional: layouts that own .grad override it
+        """A hook saw ``param.grad`` (its layout may take it in)."""
+
+    def _close(self, state: Round) -> Callable[[], None] | None:
+        """After the last bucket: a collective to run after them (the default: none)."""
+        return None
+
+    # -- rounds -----------------------------------------------------------------------------
+
+    def _new_round(self, task: int, changed: bool) -> Round:
+        nb = len(self._buckets)
+        waiting = [len(b.params) for b in self._buckets]
+        return Round(task, waiting, [-1] * nb, [False] * len(self._params), changed)
+
+    def _reduce_now(self, backend: Backend) -> None:
+        """One round now, outside backward (one thread at a time: the round is several collectives)."""
+        with exclusive(backend, self.caller):
+            state = self._new_round(-1, self._begin(backend, now=True))
+            self._flush(backend, state, overlap=False)
+            self._finish(backend, state)
+
+    def _hook(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: ``param.grad`` holds this backward's gradient."""
+        backend = self.backend
+        assert backend is not None
+        task = torch._C._current_graph_task_id()
+        state = self._round
+        if state is not None and state.task != task:
+            self._second_backward()
+        if state is None:
+            if self._skipped_task != task and self._skip_this_backward():  # decided once per backward
+                self._skipped_task = task
+            if self._skipped_task == task:
+                self._adopt(param)
+                return
+            state = self._start(backend, task)
+        i = self._index.get(id(param))
+        if i is None or self._params[i] is not param:  # a parameter of another layout: the set changed
+            state.changed = True
+            return
+        self._adopt(param)
+        if i in state.fired:
+            return
+        state.fired.add(i)
+        k = self._bucket_of[i]
+        if k < 0:
+            return
+        state.waiting[k] -= 1
+        if state.waiting[k] == 0:
+            state.ready_at[k] = state.ready
+            state.ready += 1
+            if self.overlap:
+                self._send_ready(backend, state)
+
+    def _start(self, backend: Backend, task: int) -> Round:
+        """The first hook of a reducing backward: check the layout, queue the final callback."""
+        changed = self._begin(backend, now=False)
+        state = self._round = self._new_round(task, changed)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        return state
+
+    def _second_backward(self) -> None:
+        state = self._round
+        assert state is not None
+        self._reset_round()
+        raise RuntimeError(
+            f"{self.caller}: a second backward() started before the gradients of the previous one were reduced "
+            f"(it {'was interrupted' if state.sent < len(self._buckets) else 'has not finished'}: "
+            f"{state.sent} of {len(self._buckets)} buckets sent). Gradients are reduced before backward() "
+            "returns; run one backward at a time on one thread, and after a backward that raised, clear the "
+            "gradients (zero_grad()) before the next one"
+        )
+
+    def _end_of_backward(self) -> None:
+        """Final callback of the autograd engine: send what is left, wait, finish."""
+        backend, state = self.backend, self._round
+        if backend is None or state is None:
+            return
+        try:
+            if self.overlap:
+                self._flush(backend, state, overlap=True)
+            else:
+                with exclusive(backend, self.caller):
+                    self._flush(backend, state, overlap=False)
+            self._finish(backend, state)
+        finally:
+            self._round = None
+        self._reduced_in_backward()
+
+    def _reset_round(self) -> None:
+        """Forget a round a failed backward left unfinished (after its sent buckets have gone)."""
+        if self._round is not None and self.backend is not None:
+            self.backend.wait_for_comm_thread(errors=False)
+        self._round = None
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def _send_ready(self, backend: Backend, state: Round) -> None:
+        """Send, in bucket order, every bucket that is ready and has only sent buckets before it."""
+        while state.sent < len(self._buckets) and state.waiting[state.sent] == 0:
+            self._send(backend, state, state.sent, overlap=True)
+
+    def _flush(self, backend: Backend, state: Round, *, overlap: bool) -> None:
+        """Send every bucket not sent yet, in order (their missing gradients count as zeros), then
+        what :meth:`_close` adds, then wait."""
+        while state.sent < len(self._buckets):
+            self._send(backend, state, state.sent, overlap=overlap)
+        last = self._close(state)
+        if overlap:
+            worker = comm_thread(backend)
+            if last is not None:
+                worker.submit(last)
+            worker.wait()
+            for device, event in state.events:  # the next kernels on the autograd stream see the reduced gradients
+                torch.cuda.current_stream(device).wait_event(event)
+        elif last is not None:
+            last()
+
+    def _send(self, backend: Backend, state: Round, k: int, *, overlap: bool) -> None:
+        state.sent += 1
+        tensor = self._fill(state, k)
+        if not overlap:
+            self._communicate(backend, k, tensor)
+            return
+        comm_thread(backend).submit(self._job(backend, k, tensor, state))
+
+    def _job(self, backend: Backend, k: int, tensor: torch.Tensor, state: Round) -> Callable[[], None]:
+        if not tensor.is_cuda:
+            return lambda: self._communicate(backend, k, tensor)
+        # The gradient kernels run on the autograd stream: the bucket goes on a stream of its own after them.
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(tensor.device))
+        stream = comm_stream(tensor.device)
+        done = torch.cuda.Event()
+        state.events.append((tensor.device, done))
+
+        def run() -> None:
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                tensor.record_stream(stream)
+                self._communicate(backend, k, tensor)
+                done.record(stream)
+
+        return run

@@ -248,25 +248,8 @@ class DistributedOptimizer(DataParallelOptimizer):
             return ShardedOptimizer(*args, shard_state=True, **kwargs)  # not a subtype: __init__ runs once, here
         return super().__new__(cls)
 
-    def __init__(
-        self,
-        backend: Backend,
-        optimizer: torch.optim.Optimizer,
-        *,
-        op: Any = ReduceOp.AVG,
-        bucket_bytes: int | None = None,
-        communication_dtype: torch.dtype | None = None,
-        overlap: bool | None = None,
-        backward_passes_per_step: int = 1,
-        shard_state: bool = False,
-    ) -> None:
-        super().__init__(
-            backend,
-            optimizer,
-            passes=backward_passes_per_step,
-            shard_state=shard_state,
-            example="dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1))",
-        )
+    def _setup(self, op: Any, bucket_bytes: int | None, communication_dtype: Any, overlap: bool | None) -> None:
+        backend = self._backend
         self._reducer = GradientReducer(
             "DistributedOptimizer",
             op,

@@ -36,8 +36,8 @@ accumulated that no reduction covers; REDUCED: the last backward reduced them; M
 reduced them, then others accumulated (inside ``no_sync()``); SYNCHRONIZED: ``synchronize()`` made
 them final; LATE: a backward accumulated after that. ``step()`` and ``synchronize()`` reduce in
 CLEAN, ACCUMULATED and MIXED (outside ``no_sync()``); in LATE, ``DistributedOptimizer`` reduces
-again (``dml.AVG``) or raises on every rank. ``-``: cannot happen (a backward in those phases is
-``late_backward``); the entry keeps the phase.
+again (``dml.AVG``) or raises on every rank. ``-``: cannot happen (``late_backward`` comes only after
+``synchronize()``); the entry keeps the phase.
 """
 
 from __future__ import annotations
@@ -115,19 +115,32 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     #: The name in ``repr``.
     _form = "DistributedOptimizer"
+    #: ``shard_state`` of this form, and how to create it (for error messages)
+    _shards = False
+    _example = "dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1))"
     #: how gradients combine (set by each form, which checks it in its own order)
     _op: ReduceOp
 
     def __init__(
-        self, backend: Backend, optimizer: torch.optim.Optimizer, *, passes: int, shard_state: Any, example: str
+        self,
+        backend: Backend,
+        optimizer: torch.optim.Optimizer,
+        *,
+        op: Any = ReduceOp.AVG,
+        bucket_bytes: int | None = None,
+        communication_dtype: torch.dtype | None = None,
+        overlap: bool | None = None,
+        backward_passes_per_step: int = 1,
+        shard_state: bool | None = None,
     ) -> None:
+        """The arguments of ``DistributedOptimizer``; ``shard_state`` None: this form's (checked by it)."""
         check_backend(backend, "DistributedOptimizer")
-        self._check_shard_state(shard_state)
-        check_wrapped(optimizer, passes, example)
+        self._check_shard_state(self._shards if shard_state is None else shard_state)
+        check_wrapped(optimizer, backward_passes_per_step, self._example)
         self._check_optimizer(optimizer)
         self._backend = backend
         self.optimizer = optimizer
-        self._passes_per_step = passes
+        self._passes_per_step = backward_passes_per_step
         self._passes = 0  # backward passes of this step that reached the pass count
         self._phase = Phase.CLEAN
         self._no_sync = False
@@ -135,6 +148,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         # work on the wrapper (its state_dict hooks are forwarded to the wrapped optimizer, below).
         self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._setup(op, bucket_bytes, communication_dtype, overlap)
 
     # -- what each form decides ------------------------------------------------------------
 
@@ -145,6 +159,10 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     @abc.abstractmethod
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Raise unless this form can wrap ``optimizer``."""
+
+    @abc.abstractmethod
+    def _setup(self, op: Any, bucket_bytes: int | None, communication_dtype: Any, overlap: bool | None) -> None:
+        """The form's own part of ``__init__``: its reduction, from the remaining arguments."""
 
     @abc.abstractmethod
     def _reduce(self) -> None:

@@ -1,22 +1,13 @@
-"""Gradient buckets, reduced after backward or during it (``GradientReducer``).
+"""Gradient buckets allreduced after backward or during it (``GradientReducer``, a ``BucketMachine``).
 
 How gradients travel (chosen by measurement on CPU, see docs/benchmarks): a gradient of
 at least ``bucket_bytes`` is its own bucket, reduced in place in ``.grad``, zero-copy (the
 backend cuts it into segments); smaller gradients share flat buckets of about
-``bucket_bytes`` per dtype and device. After a reduction each small parameter's ``.grad``
-*is* its slice of a bucket (as with DDP's ``gradient_as_bucket_view``): when gradients
-are kept between steps backward adds into the bucket and nothing is copied; a fresh
-gradient is copied in once and replaced by its slice.
-
-Buckets follow the parameters in reverse order (roughly the order backward produces
-their gradients), fixed when the plan is built and identical on every rank, and are
-always reduced in that order. During backward (``attach``) a bucket is reduced as soon
-as all its gradients have been accumulated (``register_post_accumulate_grad_hook``) and
-every bucket before it has gone; the autograd engine's final callback sends what is
-left (buckets whose parameters got no gradient on this rank) and waits, so when
-``backward()`` returns every ``.grad`` is the reduced one. With ``overlap`` the buckets
-go on the backend's communication thread (:mod:`distutils_ml.commthread`) while
-backward goes on; without it they all go from the final callback.
+``bucket_bytes`` per dtype and device (:mod:`distutils_ml.buckets` cuts them and runs the
+rounds during backward). After a reduction each small parameter's ``.grad`` *is* its slice
+of a bucket (as with DDP's ``gradient_as_bucket_view``): when gradients are kept between
+steps backward adds into the bucket and nothing is copied; a fresh gradient is copied in
+once and replaced by its slice.
 
 The last bucket carries a small header: one flag per parameter (which ranks have a
 gradient: a parameter whose ``.grad`` is None on some ranks counts as zeros there, one
@@ -35,36 +26,27 @@ import numpy as np
 import torch
 
 from distutils_ml.backends.base import Backend, ReduceOp, resolve_op
+from distutils_ml.buckets import (
+    REDUCER_CUT,
+    BucketMachine,
+    Round,
+    check_bucket_bytes,
+    check_communication_dtype,
+    cut_buckets,
+    encode_order,
+    is_slice,
+    order_error,
+    order_mismatch,
+    ring_array,
+)
 from distutils_ml.collectives import allgather, allreduce
-from distutils_ml.commthread import comm_thread
-from distutils_ml.objects import allgather_object, digest, exclusive
+from distutils_ml.objects import allgather_object, digest
 from distutils_ml.tcpring import TcpRing, ring_for
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "GradientReducer"]
+__all__ = ["GradientReducer", "agree_on_settings", "ranks_text"]
 
-DEFAULT_BUCKET_BYTES = 256 * 1024
-#: The first flat bucket's size when ``bucket_bytes`` is larger.
-FIRST_BUCKET_BYTES = 1 << 20
-_COMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SETTINGS = ("op", "communication_dtype", "bucket_bytes", "parameters")
 _HALVES = (torch.float16, torch.bfloat16)
-
-
-def check_bucket_bytes(bucket_bytes: Any) -> int:
-    """``bucket_bytes`` if it is an int >= 0, else ``ValueError``."""
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
-        raise ValueError(f"bucket_bytes: got {bucket_bytes!r}; allowed: an int >= 0")
-    return bucket_bytes
-
-
-def check_communication_dtype(dtype: Any) -> torch.dtype | None:
-    """``dtype`` if it is None or a floating-point torch dtype, else ``ValueError``."""
-    if dtype is not None and dtype not in _COMM_DTYPES:
-        raise ValueError(
-            f"communication_dtype: got {dtype!r}; allowed: None, torch.float16, torch.bfloat16, "
-            "torch.float32 or torch.float64"
-        )
-    return dtype
 
 
 @dataclass
@@ -79,23 +61,7 @@ class _Bucket:
     head: int = 0  # elements of header at the start of flat (the last bucket only)
 
 
-@dataclass
-class _Round:
-    """One reduction: which parameters fired, which buckets are ready and which have gone."""
-
-    task: int
-    waiting: list[int]  # per bucket: parameters not yet accumulated
-    ready_at: list[int]  # per bucket: position in the order buckets became ready; -1: not by hooks
-    has: list[bool]  # per parameter: this rank had a gradient when its bucket went
-    allocated: list[int] = field(default_factory=list)  # parameters given zeros to send
-    fired: set[int] = field(default_factory=set)
-    ready: int = 0
-    sent: int = 0
-    changed: bool = False
-    events: list[tuple[torch.device, Any]] = field(default_factory=list)  # (device, CUDA event) per bucket
-
-
-class GradientReducer:
+class GradientReducer(BucketMachine):
     """Reduces the gradients of ``params()`` across ranks in fixed-order buckets, after or during backward.
 
     ``params`` returns the parameters (the same list, in the same order, on every rank);
@@ -129,7 +95,7 @@ class GradientReducer:
         self._buckets: list[_Bucket] = []
         self._bucket_of: list[int] = []
         self._index: dict[int, int] = {}
-        self._round: _Round | None = None
+        self._init_rounds()
         self._hooks: list[Any] = []
         self._ring: TcpRing | None = None
         self.backend: Backend | None = None
@@ -138,7 +104,6 @@ class GradientReducer:
         self.skip: Callable[[], bool] = lambda: False
         #: called after each reduction that ran during a backward
         self.on_reduced: Callable[[], None] = lambda: None
-        self._skipped_task = -1
 
     # -- the plan ------------------------------------------------------------------------
 
@@ -163,37 +128,14 @@ class GradientReducer:
         if self._hooks:
             self._hook_params()
 
-    def _wire(self, p: torch.Tensor) -> tuple[torch.dtype, torch.device]:
-        return self.comm_dtype or p.dtype, p.device
-
     def _build(self, params: list[torch.Tensor]) -> None:
         n = len(params)
-        groups: list[tuple[bool, tuple[torch.dtype, torch.device] | None, list[int]]] = []
-        open_: dict[tuple[torch.dtype, torch.device], tuple[list[int], list[int]]] = {}  # key -> (members, bytes)
-        closing: list[tuple[int, tuple[torch.dtype, torch.device], list[int]]] = []  # (position, key, members)
-
         # The first flat bucket of each wire dtype is smaller (as DDP's first bucket): the last layers'
         # gradients go while backward is still computing the rest.
-        first = min(self.bucket_bytes, FIRST_BUCKET_BYTES)
-        seen: set[tuple[torch.dtype, torch.device]] = set()
-        for i in reversed(range(n)):
-            p = params[i]
-            key = self._wire(p)
-            nbytes = p.numel() * key[0].itemsize
-            if nbytes >= self.bucket_bytes and key[0] == p.dtype:
-                groups.append((True, None, [i]))
-                continue
-            members, size = open_.setdefault(key, ([], [0]))
-            members.append(i)
-            size[0] += nbytes
-            if size[0] >= (self.bucket_bytes if key in seen else first):
-                del open_[key]
-                seen.add(key)
-                groups.append((False, key, members))
-        for key, (members, _) in open_.items():  # placed where their last (earliest) parameter is
-            closing.append((min(members), key, members))
-        for _, key, members in sorted(closing, key=lambda c: -c[0]):
-            groups.append((False, key, members))
+        groups: list[tuple[bool, tuple[torch.dtype, torch.device] | None, list[int]]] = [
+            (alone, None if alone else key, members)
+            for alone, key, members in cut_buckets(params, self.bucket_bytes, self.comm_dtype, REDUCER_CUT)
+        ]
         # The header travels in the last bucket sent: the last flat bucket, moved to the end (or a bucket of its own).
         flat_positions = [k for k, g in enumerate(groups) if not g[0]]
         if flat_positions:
@@ -239,11 +181,7 @@ class GradientReducer:
 
     def reduce(self, backend: Backend) -> None:
         """Make every parameter's ``.grad`` the ``op`` of all ranks' gradients now (a sparse one becomes dense)."""
-        with exclusive(backend, self.caller):  # one thread at a time: the reduction is several collectives
-            self.plan(backend)
-            state = self._new_round(-1)
-            self._flush(backend, state, overlap=False)
-            self._finish(backend, state)
+        self._reduce_now(backend)
 
     # -- during backward -------------------------------------------------------------------
 
@@ -265,109 +203,29 @@ class GradientReducer:
             handle.remove()
         self._hooks = []
 
-    def _new_round(self, task: int) -> _Round:
-        nb = len(self._buckets)
-        return _Round(
-            task=task,
-            waiting=[len(b.params) for b in self._buckets],
-            ready_at=[-1] * nb,
-            has=[False] * len(self._params),
-        )
+    def _skip_this_backward(self) -> bool:
+        return self.skip()
 
-    def _hook(self, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: ``param.grad`` holds this backward's gradient."""
-        backend = self.backend
-        assert backend is not None
-        task = torch._C._current_graph_task_id()
-        state = self._round
-        if state is not None and state.task != task:
-            self._second_backward()
-        if state is None:
-            if self._skipped_task == task:
-                return
-            if self.skip():  # decided once per backward
-                self._skipped_task = task
-                return
-            state = self._start(backend, task)
-        i = self._index.get(id(param))
-        if i is None or self._params[i] is not param:  # a parameter of another plan: the set changed
-            state.changed = True
-            return
-        if i in state.fired:
-            return
-        state.fired.add(i)
-        k = self._bucket_of[i]
-        state.waiting[k] -= 1
-        if state.waiting[k] == 0:
-            state.ready_at[k] = state.ready
-            state.ready += 1
-            if self.overlap:
-                self._send_ready(backend, state)
-
-    def _start(self, backend: Backend, task: int) -> _Round:
-        """The first hook of a backward: check the parameters, plan, queue the final callback."""
-        current = self._params_of()
-        changed = self._plan_key is not None and self._key(current) != self._plan_key
+    def _begin(self, backend: Backend, *, now: bool) -> bool:
+        if now:
+            self.plan(backend)
+            return False
+        changed = self._plan_key is not None and self._key(self._params_of()) != self._plan_key
         if self._plan_key is None:
             self.plan(backend)
-        state = self._round = self._new_round(task)
-        state.changed = changed
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        return state
+        return changed
 
-    def _second_backward(self) -> None:
-        state = self._round
-        assert state is not None
-        self.reset()
-        raise RuntimeError(
-            f"{self.caller}: a second backward() started before the gradients of the previous one were reduced "
-            f"(it {'was interrupted' if state.sent < len(self._buckets) else 'has not finished'}: "
-            f"{state.sent} of {len(self._buckets)} buckets sent). Gradients are reduced before backward() "
-            "returns; run one backward at a time on one thread, and after a backward that raised, clear the "
-            "gradients (zero_grad()) before the next one"
-        )
-
-    def _end_of_backward(self) -> None:
-        """Final callback of the autograd engine: send what is left, wait, finish."""
-        backend, state = self.backend, self._round
-        if backend is None or state is None:
-            return
-        try:
-            if self.overlap:
-                self._flush(backend, state, overlap=True)
-            else:
-                with exclusive(backend, self.caller):
-                    self._flush(backend, state, overlap=False)
-            self._finish(backend, state)
-        finally:
-            self._round = None
+    def _reduced_in_backward(self) -> None:
         self.on_reduced()
 
     def reset(self) -> None:
         """Forget a reduction a failed backward left unfinished (after its sent buckets have gone)."""
-        if self._round is not None and self.backend is not None:
-            self.backend.wait_for_comm_thread(errors=False)
-        self._round = None
+        self._reset_round()
 
     # -- sending ---------------------------------------------------------------------------
 
-    def _send_ready(self, backend: Backend, state: _Round) -> None:
-        """Send, in bucket order, every bucket that is ready and has only sent buckets before it."""
-        while state.sent < len(self._buckets) and state.waiting[state.sent] == 0:
-            self._send(backend, state, state.sent, overlap=True)
-
-    def _flush(self, backend: Backend, state: _Round, *, overlap: bool) -> None:
-        """Send every bucket not sent yet, in order (their missing gradients count as zeros), then wait."""
-        while state.sent < len(self._buckets):
-            self._send(backend, state, state.sent, overlap=overlap)
-        if overlap:
-            comm_thread(backend).wait()
-            for device, event in state.events:  # the next kernels on the autograd stream see the reduced gradients
-                torch.cuda.current_stream(device).wait_event(event)
-
-    def _send(self, backend: Backend, state: _Round, k: int, *, overlap: bool) -> None:
+    def _fill(self, state: Round, k: int) -> torch.Tensor:
         bucket = self._buckets[k]
-        state.sent += 1
         if bucket.direct:
             i = bucket.params[0]
             p = self._params[i]
@@ -389,38 +247,16 @@ class GradientReducer:
                     flat.zero_()
                 elif g.layout != torch.strided:
                     shaped.copy_(g.to_dense())
-                elif not _is_slice(g, flat):
+                elif not is_slice(g, flat):
                     flat.copy_(g.reshape(-1))
             if bucket.head:
                 self._write_head(state, bucket)
             assert bucket.flat is not None
             tensor = bucket.flat
-        if not overlap:
-            self._allreduce(backend, bucket, tensor)
-            return
-        job = self._job(backend, bucket, tensor, state)
-        comm_thread(backend).submit(job)
+        return tensor
 
-    def _job(self, backend: Backend, bucket: _Bucket, tensor: torch.Tensor, state: _Round) -> Callable[[], None]:
-        if not tensor.is_cuda:
-            return lambda: self._allreduce(backend, bucket, tensor)
-        # The gradient kernels run on the autograd stream: the bucket goes on a stream of its own after them.
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(tensor.device))
-        stream = _comm_stream(tensor.device)
-        done = torch.cuda.Event()
-        state.events.append((tensor.device, done))
-
-        def run() -> None:
-            with torch.cuda.stream(stream):
-                stream.wait_event(ready)
-                tensor.record_stream(stream)
-                self._allreduce(backend, bucket, tensor)
-                done.record(stream)
-
-        return run
-
-    def _allreduce(self, backend: Backend, bucket: _Bucket, tensor: torch.Tensor) -> None:
+    def _communicate(self, backend: Backend, k: int, tensor: torch.Tensor) -> None:
+        bucket = self._buckets[k]
         if bucket.head and self._head_op is not self.op:
             _reduce(backend, self._ring, tensor[: bucket.head], self._head_op)
             if tensor.numel() > bucket.head:
@@ -430,24 +266,17 @@ class GradientReducer:
 
     # -- the header ------------------------------------------------------------------------
 
-    def _write_head(self, state: _Round, bucket: _Bucket) -> None:
+    def _write_head(self, state: Round, bucket: _Bucket) -> None:
         """Flags, the changed mark and each bucket's ready position, at the start of the last bucket."""
         n, nb, levels = len(self._params), len(self._buckets), self._levels
         values = np.zeros(bucket.head, dtype=np.float64)
         values[:n] = state.has
         values[n] = 1.0 if state.changed else 0.0
-        order = values[n + 1 :].reshape(nb, 3)
-        for k, at in enumerate(state.ready_at):
-            ready = at >= 0 and state.task >= 0
-            q = at % levels if ready else 0
-            if self._head_op is ReduceOp.MAX:  # not ready somewhere, highest and (levels-1 - lowest) position
-                order[k] = (0.0, q, levels - 1 - q) if ready else (1.0, 0.0, 0.0)
-            else:  # ready count, sum and sum of squares of the positions
-                order[k] = (1.0, q, q * q) if ready else (0.0, 0.0, 0.0)
+        encode_order(values[n + 1 :].reshape(nb, 3), state.ready_at, state.task, self._head_op, levels)
         assert bucket.flat is not None
         bucket.flat[: bucket.head].copy_(torch.from_numpy(values))
 
-    def _finish(self, backend: Backend, state: _Round) -> None:
+    def _finish(self, backend: Backend, state: Round) -> None:
         """After every bucket: gradients in place, None where no rank had one; the header's checks."""
         head_bucket = self._buckets[-1]
         assert head_bucket.flat is not None
@@ -468,7 +297,7 @@ class GradientReducer:
                         p.grad = shaped.to(p.dtype, copy=True)
                     else:
                         g.copy_(shaped)
-                elif g is None or g.layout != torch.strided or not _is_slice(g, flat):
+                elif g is None or g.layout != torch.strided or not is_slice(g, flat):
                     p.grad = shaped  # from now on backward accumulates straight into the bucket
         if head[n] > 0:
             raise RuntimeError(
@@ -482,43 +311,23 @@ class GradientReducer:
 
     def _check_order(self, backend: Backend, order: np.ndarray) -> None:
         """Raise on every rank if the buckets became ready in different orders (every rank's hooks fired)."""
-        size = backend.size
-        order = order[[k for k, b in enumerate(self._buckets) if b.params]]  # not the header's own bucket
-        if self._head_op is ReduceOp.MAX:
-            if (order[:, 0] > 0).any():
-                return
-            differs = order[:, 1] != (self._levels - 1 - order[:, 2])
-        else:
-            count = order[:, 0] * (size if self.op is ReduceOp.AVG else 1)
-            if not np.allclose(count, size):
-                return
-            mean = order[:, 1] / order[:, 0]
-            var = order[:, 2] / order[:, 0] - mean * mean
-            differs = var > 1e-3
-        if differs.any():
-            k = [k for k, b in enumerate(self._buckets) if b.params][int(np.flatnonzero(differs)[0])]
+        used = [k for k, b in enumerate(self._buckets) if b.params]  # not the header's own bucket
+        differs = order_mismatch(
+            order[used], backend.size, self._head_op, self._levels, averaged=self.op is ReduceOp.AVG
+        )
+        if differs is not None and differs.any():
+            k = used[int(np.flatnonzero(differs)[0])]
             labels = self._labels()
-            names = [labels[i] for i in self._buckets[k].params][:3]
-            raise RuntimeError(
-                f"{self.caller}: the gradients became ready in a different order on different ranks (bucket {k} "
-                f"of {len(self._buckets)}, holding {', '.join(names)}): the ranks run different models or "
-                "different code paths with all parameters used. Every rank must run the same model; parameters "
-                "that some ranks do not use are allowed"
-            )
+            raise order_error(self.caller, k, len(self._buckets), [labels[i] for i in self._buckets[k].params])
 
 
 def _reduce(backend: Backend, ring: TcpRing | None, tensor: torch.Tensor, op: ReduceOp) -> None:
     """One bucket's allreduce: over the TCP ring across hosts (:mod:`distutils_ml.tcpring`), else the backend."""
-    if ring is not None and tensor.device.type == "cpu" and tensor.dtype in _RING_DTYPES:
-        array = tensor.numpy()
-        if ring.supports(array, op):
-            ring.allreduce(array, op)
-            return
+    array = ring_array(ring, tensor, op)
+    if ring is not None and array is not None:
+        ring.allreduce(array, op)
+        return
     allreduce(backend, tensor, op)
-
-
-_RING_DTYPES = (torch.float32, torch.float64)
-_STREAMS: dict[Any, Any] = {}
 
 
 def agree_on_settings(
@@ -548,14 +357,6 @@ def agree_on_settings(
         f"{caller}: the ranks are configured differently: {'; '.join(lines)}. {fix}, over the "
         "same parameters in the same order (same shapes, dtypes and device types), on every rank"
     )
-
-
-def _comm_stream(device: torch.device) -> Any:
-    """The CUDA stream buckets are reduced on, one per device."""
-    stream = _STREAMS.get(device)
-    if stream is None:
-        stream = _STREAMS[device] = torch.cuda.Stream(device=device)
-    return stream
 
 
 def _describe(params: list[torch.Tensor], labels: list[str]) -> list[tuple[str, str]]:
@@ -594,8 +395,3 @@ def _parameters_difference(column: list[list[tuple[str, str]]]) -> str:
         label = f" ({column[0][i][0]})" if len(names) == 1 else ""
         parts.append(f"parameter {i}{label} is {_grouped(shown)} ({len(differing)} position(s) differ in all)")
     return "; ".join(parts)
-
-
-def _is_slice(grad: torch.Tensor, flat: torch.Tensor) -> bool:
-    """Whether ``grad`` is already the bucket slice ``flat`` (then nothing needs copying)."""
-    return grad.data_ptr() == flat.data_ptr() and grad.dtype == flat.dtype and grad.is_contiguous()

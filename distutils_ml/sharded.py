@@ -3,15 +3,18 @@
 Layout. The parameters of the wrapped optimizer that require gradients move into one
 flat buffer per (dtype, device): each parameter's ``.data`` becomes a view of it, and
 its ``.grad`` a view of a flat gradient buffer laid out alike (gradient-as-bucket-view).
-Each flat buffer is cut into buckets in reverse parameter order, as
-:mod:`distutils_ml.reducer` cuts them (a parameter of at least ``bucket_bytes`` is a
-bucket of its own, smaller ones share buckets of about ``bucket_bytes``), each bucket
-padded to a multiple of W, the number of ranks. Rank r owns piece r of every bucket:
-its shard, a W-th of the elements (elements, not whole parameters, are sharded).
+Each flat buffer is cut into buckets in reverse parameter order by
+:func:`distutils_ml.buckets.cut_buckets` (a parameter of at least ``bucket_bytes`` is a
+bucket of its own, smaller ones share buckets of about ``bucket_bytes``; unlike the
+reducer's cut, ``SHARDED_CUT``: grouped by parameter dtype, no smaller first bucket, no
+place for zero-element parameters), each bucket padded to a multiple of W, the number of ranks.
+Rank r owns piece r of every bucket: its shard, a W-th of the elements (elements, not whole
+parameters, are sharded).
 
 Backward. A bucket is reduce-scattered as soon as all its gradients are accumulated
-(post-accumulate-grad hooks, on the backend's communication thread with ``overlap``, else
-from the autograd engine's final callback), in a fixed order identical on every rank. The
+(the rounds of :class:`distutils_ml.buckets.BucketMachine`: post-accumulate-grad hooks, on the
+backend's communication thread with ``overlap``, else from the autograd engine's final
+callback), in a fixed order identical on every rank. The
 reduced piece lands in place, in this rank's piece of the flat gradient buffer; the rest
 of ``.grad`` keeps this rank's own gradients. A small header (which ranks have a gradient
 for each parameter, whether the parameters changed, the order in which buckets became
@@ -32,7 +35,7 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,18 +43,24 @@ import torch
 from torch.utils._foreach_utils import _device_has_foreach_support
 
 from distutils_ml.backends.base import Backend, ReduceOp, resolve_op
-from distutils_ml.buckets import default_bucket_bytes, default_overlap
+from distutils_ml.buckets import (
+    SHARDED_CUT,
+    BucketMachine,
+    Round,
+    check_communication_dtype,
+    cut_buckets,
+    default_bucket_bytes,
+    default_overlap,
+    encode_order,
+    is_slice,
+    order_error,
+    order_mismatch,
+    ring_array,
+)
 from distutils_ml.collectives import allgather, allreduce, reduce_scatter
-from distutils_ml.commthread import comm_thread
 from distutils_ml.objects import allgather_object, exclusive
 from distutils_ml.optimizer_base import DataParallelOptimizer
-from distutils_ml.reducer import (
-    _RING_DTYPES,
-    _comm_stream,
-    _is_slice,
-    agree_on_settings,
-    check_communication_dtype,
-)
+from distutils_ml.reducer import agree_on_settings
 from distutils_ml.tcpring import TcpRing, ring_for
 
 __all__ = ["ShardedOptimizer"]
@@ -172,22 +181,7 @@ class _Piece:
     shard_at: int = -1  # where it starts in this rank's shard of its flat buffer
 
 
-@dataclass
-class _Round:
-    """One reduction: which parameters fired, which buckets are ready and which have gone."""
-
-    task: int
-    waiting: list[int]
-    ready_at: list[int]
-    has: list[bool]  # per parameter: this rank had a gradient when its bucket went
-    fired: set[int] = field(default_factory=set)
-    ready: int = 0
-    sent: int = 0
-    changed: bool = False
-    events: list[tuple[torch.device, Any]] = field(default_factory=list)  # (device, CUDA event) per bucket
-
-
-class ShardedOptimizer(DataParallelOptimizer):
+class ShardedOptimizer(DataParallelOptimizer, BucketMachine):
     """``DistributedOptimizer`` whose optimizer state is sharded over the ranks (ZeRO-1).
 
     Create it as ``dml.DistributedOptimizer(backend, optimizer, shard_state=True)``
@@ -240,26 +234,13 @@ class ShardedOptimizer(DataParallelOptimizer):
     # GradScaler then calls step() whatever it found, and step() refuses it on every rank alike.
     _step_supports_amp_scaling = True
     _form = "ShardedOptimizer"
+    caller = "DistributedOptimizer"
 
-    def __init__(
-        self,
-        backend: Backend,
-        optimizer: torch.optim.Optimizer,
-        *,
-        op: Any = ReduceOp.AVG,
-        bucket_bytes: int | None = None,
-        communication_dtype: torch.dtype | None = None,
-        overlap: bool | None = None,
-        backward_passes_per_step: int = 1,
-        shard_state: bool = True,
-    ) -> None:
-        super().__init__(
-            backend,
-            optimizer,
-            passes=backward_passes_per_step,
-            shard_state=shard_state,
-            example="dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters()), shard_state=True)",
-        )
+    _shards = True
+    _example = "dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters()), shard_state=True)"
+
+    def _setup(self, op: Any, bucket_bytes: int | None, communication_dtype: Any, overlap: bool | None) -> None:
+        backend = self._backend
         self._op = resolve_op(op)
         self._wire = check_communication_dtype(communication_dtype)
         self._bucket_bytes = default_bucket_bytes(backend, bucket_bytes)
@@ -269,8 +250,7 @@ class ShardedOptimizer(DataParallelOptimizer):
                 raise TypeError("DistributedOptimizer: sparse parameters are not supported; use dense tensors")
         self._overlap = default_overlap(backend) if overlap is None else bool(overlap)
         self._stale = False  # the gradient buffers hold a reduction: zero_grad() comes before the next backward
-        self._round: _Round | None = None
-        self._skipped_task = -1
+        self._init_rounds()
         self._agreed = False
         self._ring: TcpRing | None = None
         self._hooks: list[Any] = []
@@ -382,27 +362,9 @@ class ShardedOptimizer(DataParallelOptimizer):
         self._hooks += [p.register_post_accumulate_grad_hook(self._hook) for p in params]
 
     def _bucket_members(self, params: list[torch.Tensor]) -> list[tuple[tuple[torch.dtype, torch.device], list[int]]]:
-        """Parameter indices per bucket, in the order buckets are sent (reverse parameter order, as the reducer)."""
-        groups: list[tuple[tuple[torch.dtype, torch.device], list[int]]] = []
-        open_: dict[tuple[torch.dtype, torch.device], tuple[list[int], list[int]]] = {}
-        for i in reversed(range(len(params))):
-            p = params[i]
-            if p.numel() == 0:
-                continue
-            key = (p.dtype, p.device)
-            nbytes = p.numel() * (self._wire or p.dtype).itemsize
-            if nbytes >= self._bucket_bytes:
-                groups.append((key, [i]))
-                continue
-            members, total = open_.setdefault(key, ([], [0]))
-            members.append(i)
-            total[0] += nbytes
-            if total[0] >= self._bucket_bytes:
-                del open_[key]
-                groups.append((key, members))
-        for key, (members, _) in sorted(open_.items(), key=lambda kv: -min(kv[1][0])):
-            groups.append((key, members))
-        return groups
+        """Parameter indices per bucket, in the order buckets are sent (reverse parameter order)."""
+        cut = cut_buckets(params, self._bucket_bytes, self._wire, SHARDED_CUT)
+        return [(key, members) for _, key, members in cut]
 
     def _shard_optimizer(self, pieces: list[_Piece]) -> torch.optim.Optimizer:
         """An optimizer of the wrapped one's class over ``pieces``, one group per wrapped group."""
@@ -525,37 +487,6 @@ class ShardedOptimizer(DataParallelOptimizer):
 
     # -- reduction during backward -------------------------------------------------------------
 
-    def _hook(self, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: ``param.grad`` holds this backward's gradient."""
-        task = torch._C._current_graph_task_id()
-        state = self._round
-        if state is not None and state.task != task:
-            self._second_backward()
-        if state is None:
-            if self._skipped_task != task and self._skip_backward():
-                self._skipped_task = task
-            if self._skipped_task == task:
-                self._adopt(param)
-                return
-            state = self._start(task)
-        i = self._index.get(id(param))
-        if i is None or self._params[i] is not param:
-            state.changed = True
-            return
-        self._adopt(param)
-        if i in state.fired:
-            return
-        state.fired.add(i)
-        k = self._bucket_of[i]
-        if k < 0:
-            return
-        state.waiting[k] -= 1
-        if state.waiting[k] == 0:
-            state.ready_at[k] = state.ready
-            state.ready += 1
-            if self._overlap:
-                self._send_ready(state)
-
     def _adopt(self, param: torch.Tensor) -> None:
         """Make ``param.grad`` its view of the flat gradient buffer, copying a fresh gradient in."""
         i = self._index.get(id(param))
@@ -600,76 +531,21 @@ class ShardedOptimizer(DataParallelOptimizer):
     def _view_pairs(self) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
         return zip(self._params, self._views, strict=True)
 
-    def _start(self, task: int) -> _Round:
-        """The first hook of a reducing backward: agree, check the parameters, queue the final callback."""
+    def _skip_this_backward(self) -> bool:
+        return self._skip_backward()
+
+    def _begin(self, backend: Backend, *, now: bool) -> bool:
+        """Agree on the layout across ranks (once); whether the parameters changed since it was built."""
         if not self._agreed:
             self._agree()
-        state = self._round = self._new_round(task)
-        state.changed = self._changed()
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        return state
+        return self._changed()
 
-    def _new_round(self, task: int) -> _Round:
-        nb = len(self._buckets)
-        return _Round(task, [len(b.params) for b in self._buckets], [-1] * nb, [False] * len(self._params))
-
-    def _second_backward(self) -> None:
-        state = self._round
-        assert state is not None
-        self._reset_round()
-        raise RuntimeError(
-            "DistributedOptimizer: a second backward() started before the gradients of the previous one were "
-            f"reduced (it {'was interrupted' if state.sent < len(self._buckets) else 'has not finished'}: "
-            f"{state.sent} of {len(self._buckets)} buckets sent). Gradients are reduced before backward() "
-            "returns; run one backward at a time on one thread, and after a backward that raised, clear the "
-            "gradients (zero_grad()) before the next one"
-        )
-
-    def _reset_round(self) -> None:
-        """Forget a reduction a failed backward left unfinished (after its sent buckets have gone)."""
-        if self._round is not None:
-            self._backend.wait_for_comm_thread(errors=False)
-        self._round = None
-
-    def _end_of_backward(self) -> None:
-        """Final callback of the autograd engine: send what is left, wait, finish."""
-        state = self._round
-        if state is None:
-            return
-        try:
-            if self._overlap:
-                self._flush(state, overlap=True)
-            else:
-                with exclusive(self._backend, "DistributedOptimizer"):
-                    self._flush(state, overlap=False)
-            self._finish(state)
-        finally:
-            self._round = None
+    def _reduced_in_backward(self) -> None:
         self._backward_reduced()
 
-    def _send_ready(self, state: _Round) -> None:
-        while state.sent < len(self._buckets) and state.waiting[state.sent] == 0:
-            self._send(state, state.sent, overlap=True)
-
-    def _flush(self, state: _Round, *, overlap: bool) -> None:
-        """Send every bucket not sent yet, in order (missing gradients count as zeros), the header, then wait."""
-        while state.sent < len(self._buckets):
-            self._send(state, state.sent, overlap=overlap)
-        self._write_head(state)
-        head = self._head
-        self._stale = True
-        if overlap:
-            worker = comm_thread(self._backend)
-            worker.submit(lambda: self._reduce_scatter(head, ReduceOp.SUM))
-            worker.wait()
-            for device, event in state.events:  # the next kernels on the autograd stream see the reduced gradients
-                torch.cuda.current_stream(device).wait_event(event)
-        else:
-            self._reduce_scatter(head, ReduceOp.SUM)
-
-    def _send(self, state: _Round, k: int, *, overlap: bool) -> None:
+    def _fill(self, state: Round, k: int) -> torch.Tensor:
+        """Bucket ``k``'s gradients in place in the flat gradient buffer (zeros for the missing ones)."""
         bucket = self._buckets[k]
-        state.sent += 1
         with torch.no_grad():
             for i in bucket.params:
                 p, view = self._params[i], self._views[i]
@@ -680,29 +556,17 @@ class ShardedOptimizer(DataParallelOptimizer):
                     p.grad = view
                 else:
                     self._adopt(p)
-        if not overlap:
-            self._reduce_bucket(bucket)
-            return
-        comm_thread(self._backend).submit(self._job(bucket, state))
+        return bucket.grads
 
-    def _job(self, bucket: _Bucket, state: _Round) -> Callable[[], None]:
-        if not bucket.grads.is_cuda:
-            return lambda: self._reduce_bucket(bucket)
-        # The gradient kernels run on the autograd stream: the bucket goes on a stream of its own after them.
-        device = bucket.grads.device
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(device))
-        stream = _comm_stream(device)
-        done = torch.cuda.Event()
-        state.events.append((device, done))
+    def _communicate(self, backend: Backend, k: int, tensor: torch.Tensor) -> None:
+        self._reduce_bucket(self._buckets[k])
 
-        def run() -> None:
-            with torch.cuda.stream(stream):
-                stream.wait_event(ready)
-                self._reduce_bucket(bucket)
-                done.record(stream)
-
-        return run
+    def _close(self, state: Round) -> Callable[[], None]:
+        """The header, reduce-scattered after the buckets (the gradient buffers then hold a reduction)."""
+        self._write_head(state)
+        head = self._head
+        self._stale = True
+        return lambda: self._reduce_scatter(head, ReduceOp.SUM)
 
     def _reduce_bucket(self, bucket: _Bucket) -> None:
         """Reduce-scatter one bucket in place: this rank's piece of the flat gradients becomes the reduced one."""
@@ -722,21 +586,19 @@ class ShardedOptimizer(DataParallelOptimizer):
         Over the TCP ring where the reducer uses it (ranks on several hosts, :mod:`distutils_ml.tcpring`).
         """
         ring, rank = self._ring, self._backend.rank
-        if ring is not None and rows.device.type == "cpu" and rows.dtype in _RING_DTYPES:
-            array = rows.numpy()
-            if ring.supports(array, op):
-                ring.reduce_scatter(array, array[rank], op)  # in place: the other rows stay
-                return
+        array = ring_array(ring, rows, op)
+        if ring is not None and array is not None:
+            ring.reduce_scatter(array, array[rank], op)  # in place: the other rows stay
+            return
         reduce_scatter(self._backend, rows, op)
 
     def _allgather(self, bucket: _Bucket) -> None:
         """Every rank's piece of ``bucket`` into every rank's flat parameter buffer (over the ring across hosts)."""
-        rows, rank = bucket.values, self._backend.rank
-        if self._ring is not None and rows.device.type == "cpu" and rows.dtype in _RING_DTYPES:
-            array = rows.numpy()
-            if self._ring.supports(array, ReduceOp.SUM):
-                self._ring.allgather(array[rank], array)
-                return
+        rows, rank, ring = bucket.values, self._backend.rank, self._ring
+        array = ring_array(ring, rows, ReduceOp.SUM)
+        if ring is not None and array is not None:
+            ring.allgather(array[rank], array)
+            return
         piece = self._scratch_for(rows.dtype, rows.device, bucket.piece)
         piece.copy_(rows[rank])
         allgather(self._backend, piece, rows)
@@ -750,20 +612,17 @@ class ShardedOptimizer(DataParallelOptimizer):
             have = self._scratch[key] = torch.empty(max(largest, numel), dtype=dtype, device=device)
         return have[:numel]
 
-    def _write_head(self, state: _Round) -> None:
+    def _write_head(self, state: Round) -> None:
         """Every row: which parameters have a gradient here, the changed mark, each bucket's ready position."""
         n, nb = len(self._params), len(self._buckets)
         row = np.zeros(n + 1 + 3 * nb, dtype=np.float64)
         for i, p in enumerate(self._params):
             row[i] = 1.0 if (state.has[i] if self._bucket_of[i] >= 0 else p.grad is not None) else 0.0
         row[n] = 1.0 if state.changed else 0.0
-        order = row[n + 1 :].reshape(nb, 3)
-        for k, at in enumerate(state.ready_at):
-            if at >= 0 and state.task >= 0:
-                order[k] = (1.0, at, at * at)
+        encode_order(row[n + 1 :].reshape(nb, 3), state.ready_at, state.task, ReduceOp.SUM, None)
         self._head.copy_(torch.from_numpy(row).expand_as(self._head))
 
-    def _finish(self, state: _Round) -> None:
+    def _finish(self, backend: Backend, state: Round) -> None:
         """After every bucket: ``.grad`` None where no rank had one; the header's checks."""
         size, n, nb = self._backend.size, len(self._params), len(self._buckets)
         row = self._head[self._backend.rank].numpy()
@@ -780,32 +639,17 @@ class ShardedOptimizer(DataParallelOptimizer):
             )
         if state.task < 0 or not nb:
             return
-        order = row[n + 1 :].reshape(nb, 3)
-        if not (order[:, 0] == size).all():
-            return  # some rank did not use every parameter: the order is not comparable
-        differs = size * order[:, 2] != order[:, 1] * order[:, 1]
-        if differs.any():
+        differs = order_mismatch(row[n + 1 :].reshape(nb, 3), size, ReduceOp.SUM, None, averaged=False)
+        if differs is not None and differs.any():
             k = int(np.flatnonzero(differs)[0])
-            names = [self._names[i] for i in self._buckets[k].params][:3]
-            raise RuntimeError(
-                f"DistributedOptimizer: the gradients became ready in a different order on different ranks (bucket "
-                f"{k} of {nb}, holding {', '.join(names)}): the ranks run different models or different code paths "
-                "with all parameters used. Every rank must run the same model; parameters that some ranks do not "
-                "use are allowed"
-            )
+            raise order_error(self.caller, k, nb, [self._names[i] for i in self._buckets[k].params])
 
     # -- reduce now ----------------------------------------------------------------------------
 
     def _reduce(self) -> None:
         """Reduce-scatter every bucket now (gradients accumulated inside no_sync(), or set by hand)."""
         self._check_stale()
-        with exclusive(self._backend, "DistributedOptimizer"):
-            if not self._agreed:
-                self._agree()
-            state = self._new_round(-1)
-            state.changed = self._changed()
-            self._flush(state, overlap=False)
-            self._finish(state)
+        self._reduce_now(self._backend)
         self._advance("reduce")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -1323,7 +1167,7 @@ def _storage(v: torch.Tensor) -> int:
 
 def _is_view(grad: torch.Tensor, view: torch.Tensor) -> bool:
     """Whether ``grad`` is already ``view``, its place in the flat gradient buffer (a sparse gradient never is)."""
-    return grad.layout == torch.strided and _is_slice(grad, view)
+    return grad.layout == torch.strided and is_slice(grad, view)
 
 
 def _any_nonzero(tensors: list[torch.Tensor]) -> bool:
