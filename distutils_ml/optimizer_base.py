@@ -131,11 +131,11 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         communication_dtype: torch.dtype | None = None,
         overlap: bool | None = None,
         backward_passes_per_step: int = 1,
-        shard_state: bool | None = None,
+        shard_state: Any = ...,
     ) -> None:
-        """The arguments of ``DistributedOptimizer``; ``shard_state`` None: this form's (checked by it)."""
+        """The arguments of ``DistributedOptimizer``; ``shard_state`` left out (``...``): this form's."""
         check_backend(backend, "DistributedOptimizer")
-        self._check_shard_state(self._shards if shard_state is None else shard_state)
+        self._check_shard_state(self._shards if shard_state is ... else shard_state)
         check_wrapped(optimizer, backward_passes_per_step, self._example)
         self._check_optimizer(optimizer)
         self._backend = backend

@@ -34,6 +34,7 @@ import struct
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -237,6 +238,10 @@ class TcpRing:
                 s.close()
 
 
+# The ring of each backend (None: it uses none), made once.
+_RINGS: weakref.WeakKeyDictionary[Backend, TcpRing | None] = weakref.WeakKeyDictionary()
+
+
 def ring_for(backend: Backend) -> TcpRing | None:
     """The backend's ring (made at the first call, a collective on every rank), or None to use the backend.
 
@@ -245,11 +250,9 @@ def ring_for(backend: Backend) -> TcpRing | None:
     that cannot connect everywhere is a warning (and None, on every rank); under ``tcp``
     it is a ``RuntimeError`` on every rank.
     """
-    cached = getattr(backend, "_tcpring", False)
-    if cached is not False:
-        return cached
-    ring = _connect(backend)
-    backend._tcpring = ring  # type: ignore[attr-defined]
+    if backend in _RINGS:
+        return _RINGS[backend]
+    ring = _RINGS[backend] = _connect(backend)
     return ring
 
 
