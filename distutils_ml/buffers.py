@@ -16,16 +16,12 @@ from typing import Any
 
 import torch
 
+from distutils_ml.agreement import agree
 from distutils_ml.backends.base import Backend, check_backend
-from distutils_ml.collectives import _check_root
+from distutils_ml.collectives import check_root
+from distutils_ml.fused_broadcast import FusedBroadcast
 from distutils_ml.objects import digest, exclusive
-from distutils_ml.synchronize import (
-    FusedBroadcast,
-    agree,
-    array_spec,
-    refuse_sync_batchnorm,
-    sync_batchnorm_refused,
-)
+from distutils_ml.tree import array_spec, refuse_sync_batchnorm, sync_batchnorm_refused
 
 __all__ = ["BufferBroadcast", "broadcast_buffers"]
 
@@ -146,5 +142,5 @@ def broadcast_buffers(backend: Backend, module: torch.nn.Module, *, root: int = 
         raise TypeError(
             f"module: got {type(module).__module__}.{type(module).__qualname__}; allowed: a torch.nn.Module"
         )
-    root = _check_root(backend, root)
+    root = check_root(backend, root)
     return BufferBroadcast(backend, module, root)

@@ -41,7 +41,13 @@ T = TypeVar("T")
 _SUM, _AVG = ReduceOp.SUM, ReduceOp.AVG
 
 
-def _check_root(backend: Backend, root: Any) -> int:
+def check_root(backend: Backend, root: Any) -> int:
+    """``root`` as an int in ``0 .. backend.size - 1`` (checked before any rooted collective sends).
+
+    Raises:
+        TypeError: ``root`` is not an int (a bool is refused too).
+        ValueError: ``root`` is outside ``0 .. total_workers - 1``.
+    """
     try:
         if isinstance(root, bool):
             raise TypeError
@@ -165,7 +171,7 @@ def bcast(backend: Backend, sendbuf: Any, recvbuf: Any = None, *, root: int = 0)
         tensor([0., 0., 0.])
     """
     check_backend(backend, "bcast")
-    root = _check_root(backend, root)
+    root = check_root(backend, root)
     backend._enter("bcast")
     try:
         return _bcast(backend, sendbuf, recvbuf, root)
@@ -211,7 +217,7 @@ def reduce(backend: Backend, sendbuf: Any, recvbuf: Any = None, op: Any = None, 
     check_backend(backend, "reduce")
     recvbuf, op = _split_op(recvbuf, op)
     op = resolve_op(op)
-    root = _check_root(backend, root)
+    root = check_root(backend, root)
     backend._enter("reduce")
     try:
         return _reduce(backend, sendbuf, recvbuf, op, root)

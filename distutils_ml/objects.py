@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from distutils_ml.backends.base import Backend, check_backend
-from distutils_ml.collectives import _check_root
+from distutils_ml.collectives import check_root
 
 __all__ = ["allgather_object", "bcast_object", "digest", "run_on_root"]
 
@@ -149,7 +149,7 @@ def bcast_object(backend: Backend, obj: Any, *, root: int = 0) -> Any:
         {'lr': 0.1, 'epochs': 3}
     """
     check_backend(backend, "bcast_object")
-    root = _check_root(backend, root)
+    root = check_root(backend, root)
     with exclusive(backend, "bcast_object"):
         failed = f"bcast_object: the object of rank {root} cannot be pickled"
         return _broadcast(backend, root, lambda: obj, "bcast_object", failed)
@@ -165,7 +165,7 @@ def run_on_root(backend: Backend, fn: Callable[[], T], *, root: int = 0, what: s
     (chained from the original exception on root).
     """
     check_backend(backend, what)
-    root = _check_root(backend, root)
+    root = check_root(backend, root)
     with exclusive(backend, what):
         return _broadcast(backend, root, fn, what, f"{what}: rank {root}")
 

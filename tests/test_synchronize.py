@@ -284,7 +284,7 @@ def test_optimizer_state_only_on_root_other_than_0(world: int, root: int) -> Non
 
 
 def test_created_state_uses_roots_device_not_the_parameters() -> None:
-    from distutils_ml.synchronize import _match_state, _state_skeleton
+    from distutils_ml.tree import match_state, state_skeleton
 
     # Adam keeps ``step`` on the CPU next to a CUDA parameter; "meta" stands in for CUDA here.
     def adam_on(device: str) -> tuple[torch.optim.Optimizer, torch.Tensor]:
@@ -294,7 +294,7 @@ def test_created_state_uses_roots_device_not_the_parameters() -> None:
     root_opt, rp = adam_on("meta")
     root_opt.state[rp] = {"step": torch.tensor(3.0), "exp_avg": torch.zeros((), device="meta"), "note": "x"}
     mine, p = adam_on("meta")
-    created = _match_state(mine, _state_skeleton(root_opt), "x")[0]
+    created = match_state(mine, state_skeleton(root_opt), "x")[0]
     assert created["step"].device.type == "cpu" and created["step"].shape == ()
     assert created["exp_avg"].device == p.device
     assert created["note"] is None  # a plain value: root's replaces it
