@@ -59,14 +59,6 @@ LAYER = {
     "distutils_ml.supervise": "faces",
 }
 
-# Known violations (issue 21, item 5), to be removed as the gradient machinery's rework lands: each is an
-# (importer, imported module, name) private import. Nothing may be added here.
-ALLOWED_PRIVATE_IMPORTS = {
-    ("distutils_ml.sharded", "distutils_ml.reducer", "_RING_DTYPES"),
-    ("distutils_ml.sharded", "distutils_ml.reducer", "_comm_stream"),
-    ("distutils_ml.sharded", "distutils_ml.reducer", "_is_slice"),
-}
-
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
@@ -142,7 +134,7 @@ def test_imports_point_down() -> None:
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """One cycle through each strongly connected component of more than one module (or a self-import)."""
+    """The groups of modules that import each other (strongly connected components of two or more, or a self-import)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -186,7 +178,7 @@ def test_no_private_name_is_imported_from_another_module() -> None:
         f"{importer} (line {line}) imports {name} from {imported}"
         for importer, imported, names, line in edges()
         for name in names
-        if name.startswith("_") and importer != imported and (importer, imported, name) not in ALLOWED_PRIVATE_IMPORTS
+        if name.startswith("_") and importer != imported
     ]
     assert not private, "private names imported from another module (give each a public home):\n" + "\n".join(private)
 
