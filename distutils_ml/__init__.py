@@ -17,9 +17,10 @@ from distutils_ml.batchnorm import SyncBatchNorm, allreduce_autograd, convert_sy
 from distutils_ml.buffers import broadcast_buffers
 from distutils_ml.checkpoint import load, save
 from distutils_ml.collectives import allgather, allreduce, barrier, bcast, reduce, reduce_scatter
-from distutils_ml.data import DistributedDataContainer, UnpaddedShare, getobs, numobs
+from distutils_ml.data import DistributedDataContainer, UnpaddedShare
 from distutils_ml.evaluation import gather_unpadded
 from distutils_ml.objects import allgather_object, bcast_object
+from distutils_ml.observations import getobs, numobs
 from distutils_ml.optimizer import (
     BackwardReduction,
     DistributedOptimizer,

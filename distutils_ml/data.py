@@ -1,4 +1,4 @@
-"""``DistributedDataContainer``: this rank's share of a dataset; ``numobs`` and ``getobs``.
+"""``DistributedDataContainer``: this rank's share of a dataset, and its view without the padding.
 
 The partition is exactly that of ``torch.utils.data.DistributedSampler`` for the same
 epoch: the (possibly shuffled) index list is padded by repeating its start until its
@@ -10,7 +10,8 @@ rank short, or with no share at all, and a collective then hangs or crashes).
 Data follow MLUtils' conventions: an array or tensor holds its observations along the
 first axis; a tuple or dict of such holds one observation per member (``(x, y)``); and
 anything else with ``len()`` and integer indexing (a list, a torch ``Dataset``) is a
-sequence of observations.
+sequence of observations. :mod:`distutils_ml.observations` implements them (``numobs``,
+``getobs``, importable from here too).
 
 Exact evaluation: :meth:`DistributedDataContainer.unpadded` is this rank's share without
 the padding (a dataset view for a ``DataLoader``); :func:`~distutils_ml.evaluation.gather_unpadded`
@@ -20,211 +21,29 @@ gathers the per-observation results computed on it.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from distutils_ml.backends.base import Backend, check_backend
+from distutils_ml.observations import (
+    Index,
+    as_index,
+    checked_numobs,
+    describe_value,
+    getobs,
+    getobs_at,
+    numobs,
+    split_rows,
+)
 
 __all__ = ["DistributedDataContainer", "UnpaddedShare", "getobs", "numobs"]
 
-#: What ``getobs`` and container indexing accept besides an int: a batch of indices.
-Index = int | slice | Sequence[int] | np.ndarray | torch.Tensor
-
-_ALLOWED_DATA = (
-    "a NumPy array or torch.Tensor of at least one dimension (observations along the first axis), "
-    "anything with len() and integer indexing (a list, a map-style torch Dataset), or a tuple / dict of those"
-)
-_ALLOWED_INDEX = "an int, a slice, a list or range of ints, or a 1-D integer NumPy array or torch.Tensor"
 # The seeds torch.Generator.manual_seed accepts.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
-
-# -- numobs / getobs -------------------------------------------------------------------
-
-
-def numobs(data: Any) -> int:
-    """The number of observations in ``data``.
-
-    Args:
-        data: an array or tensor (observations along the first axis), anything with
-            ``len()`` and integer indexing, or a tuple / dict of those.
-
-    Returns:
-        The length of the first axis, ``len(data)``, or for a tuple / dict the count its
-        members share.
-
-    Raises:
-        TypeError: ``data`` is none of the allowed kinds.
-        ValueError: members of a tuple / dict hold different numbers of observations.
-
-    Example:
-        >>> dml.numobs((np.zeros((10, 3)), np.arange(10)))
-        10
-    """
-    return _numobs(data, "numobs")
-
-
-def getobs(data: Any, idx: Index) -> Any:
-    """Observation ``idx`` of ``data``, or a batch of observations.
-
-    An int gives one observation (for a tuple / dict: a tuple / dict of one observation
-    per member). A slice, list, range or integer array gives a batch, fetched with one
-    call per member: fancy indexing for arrays and tensors, the dataset's
-    ``__getitems__`` when it has one (as torch's DataLoader does), else a list of
-    ``data[i]``. Indices are passed to the members as given, so their bounds and
-    negative-index rules apply.
-
-    Args:
-        data: as for :func:`numobs`.
-        idx: an int, slice, list or range of ints, or a 1-D integer array / tensor.
-
-    Returns:
-        One observation, or a batch: an array / tensor for array members, a list for
-        generic datasets, a tuple / dict of member batches for a tuple / dict.
-
-    Raises:
-        TypeError: ``idx`` is not an integer index or batch of indices.
-
-    Example:
-        >>> x, y = np.arange(12).reshape(6, 2), ["a", "b", "c", "d", "e", "f"]
-        >>> dml.getobs((x, y), 5)
-        (array([10, 11]), 'f')
-        >>> dml.getobs((x, y), [0, 5])[1]
-        ['a', 'f']
-    """
-    return _getobs(data, _as_index(idx, "getobs: idx"))
-
-
-def describe_value(x: Any) -> str:
-    """``x`` as an error message names it: an array's kind and shape, else its type and a short repr."""
-    if isinstance(x, (np.ndarray, torch.Tensor)):
-        return f"a {len(x.shape)}-d {type(x).__module__.split('.')[0]}.{type(x).__name__} of shape {tuple(x.shape)}"
-    text = repr(x)
-    return f"{type(x).__qualname__} {text[:60] + '...' if len(text) > 60 else text}"
-
-
-def _numobs(data: Any, caller: str, name: str = "data") -> int:
-    """``numobs`` whose errors start with ``caller`` and name ``data`` as ``name`` (``data[0]['x']``)."""
-    if isinstance(data, (np.ndarray, torch.Tensor)):
-        if data.ndim == 0:
-            raise TypeError(
-                f"{caller}: {name}: got {describe_value(data)}, which has no observation axis; allowed: {_ALLOWED_DATA}"
-            )
-        return int(data.shape[0])
-    if isinstance(data, tuple):
-        members = [(f"{name}[{i}]", m) for i, m in enumerate(data)]
-    elif isinstance(data, Mapping):
-        members = [(f"{name}[{k!r}]", m) for k, m in data.items()]
-    else:
-        _check_generic(data, f"{caller}: {name}")
-        return len(data)
-    if not members:
-        raise ValueError(
-            f"{caller}: {name}: got an empty {type(data).__name__}; a tuple / dict needs at least one member"
-        )
-    counts = [(member, _numobs(m, caller, member)) for member, m in members]
-    if any(c != counts[0][1] for _, c in counts):
-        listed = ", ".join(f"{member} has {c}" for member, c in counts)
-        raise ValueError(
-            f"{caller}: {name}: members hold different numbers of observations: {listed}; "
-            "every member needs the same number of observations along its first axis"
-        )
-    return counts[0][1]
-
-
-def _check_generic(data: Any, where: str) -> None:
-    if isinstance(data, (str, bytes)):
-        raise TypeError(
-            f"{where}: got {describe_value(data)}, text rather than data (load it first); allowed: {_ALLOWED_DATA}"
-        )
-    if isinstance(data, torch.utils.data.IterableDataset):
-        raise TypeError(
-            f"{where}: got the IterableDataset {type(data).__qualname__}, which has no random access; "
-            f"allowed: {_ALLOWED_DATA}"
-        )
-    kind = type(data)
-    missing = [m for m in ("__len__", "__getitem__") if not hasattr(kind, m)]
-    if missing:
-        raise TypeError(
-            f"{where}: got {describe_value(data)}, which has no {' or '.join(missing)}; allowed: {_ALLOWED_DATA}"
-        )
-
-
-def _as_index(idx: Any, name: str) -> int | slice | np.ndarray:
-    """``idx`` as an int, a slice, or a 1-D int64 array."""
-    if isinstance(idx, (bool, np.bool_)):
-        raise TypeError(f"{name}: got the bool {idx!r}; allowed: {_ALLOWED_INDEX}")
-    if isinstance(idx, (int, np.integer)):
-        return int(idx)
-    if isinstance(idx, slice):
-        return idx
-    if isinstance(idx, range):
-        return np.arange(idx.start, idx.stop, idx.step, dtype=np.int64)
-    if isinstance(idx, torch.Tensor):
-        arr = idx.detach().cpu().numpy()
-    elif isinstance(idx, np.ndarray):
-        arr = idx
-    elif isinstance(idx, list):
-        arr = np.asarray(idx) if idx else np.empty(0, dtype=np.int64)
-    else:
-        raise TypeError(f"{name}: got {describe_value(idx)}; allowed: {_ALLOWED_INDEX}")
-    if arr.dtype.kind not in "iu" or arr.ndim > 1:
-        raise TypeError(f"{name}: got {describe_value(arr)} of dtype {arr.dtype}; allowed: {_ALLOWED_INDEX}")
-    if arr.ndim == 0:
-        return int(arr)
-    return arr.astype(np.int64, copy=False)
-
-
-def _getobs(data: Any, index: int | slice | np.ndarray) -> Any:
-    """``getobs`` on a normalized index (see :func:`_as_index`)."""
-    if isinstance(data, np.ndarray):
-        return data[index]
-    if isinstance(data, torch.Tensor):
-        if isinstance(index, np.ndarray):
-            # from_numpy shares memory and warns on read-only arrays: copy those.
-            index = torch.from_numpy(index if index.flags.writeable else index.copy())
-        return data[index]
-    if isinstance(data, tuple):
-        items = [_getobs(m, index) for m in data]
-        return type(data)(*items) if hasattr(type(data), "_fields") else tuple(items)
-    if isinstance(data, Mapping):
-        return {k: _getobs(m, index) for k, m in data.items()}
-    if isinstance(index, int):
-        return data[index]
-    positions = list(range(len(data))[index]) if isinstance(index, slice) else index.tolist()
-    getitems = getattr(data, "__getitems__", None)
-    if getitems is not None:
-        return getitems(positions)
-    return [data[i] for i in positions]
-
-
-def _rows(data: Any, batch: Any) -> list[Any]:
-    """Split ``batch`` (``_getobs(data, index_array)``) into a list of single observations.
-
-    Numeric NumPy batches are split as tensors (views of ``torch.from_numpy``): torch's
-    default collate turns each NumPy row into a tensor anyway, one slow call per row;
-    tensor rows it stacks at once, with the same dtype and values.
-    """
-    if isinstance(data, np.ndarray):
-        if batch.dtype.kind in "biufc" and batch.dtype.isnative:
-            return list(torch.from_numpy(batch).unbind(0))
-        return list(batch)
-    if isinstance(data, torch.Tensor):
-        return list(batch.unbind(0))
-    if isinstance(data, tuple):
-        columns = [_rows(m, b) for m, b in zip(data, batch, strict=True)]
-        if hasattr(type(data), "_fields"):
-            return [type(data)(*row) for row in zip(*columns, strict=True)]
-        return list(zip(*columns, strict=True))
-    if isinstance(data, Mapping):
-        keys = list(data)
-        columns = [_rows(data[k], batch[k]) for k in keys]
-        return [dict(zip(keys, row, strict=True)) for row in zip(*columns, strict=True)]
-    return list(batch)
 
 
 # -- the container ---------------------------------------------------------------------
@@ -310,7 +129,7 @@ class DistributedDataContainer(torch.utils.data.Dataset):
         self, backend: Backend, data: Any, *, shuffle: bool = False, seed: int = 0, drop_last: bool = False
     ) -> None:
         check_backend(backend, "DistributedDataContainer")
-        n = _numobs(data, "DistributedDataContainer")
+        n = checked_numobs(data, "DistributedDataContainer")
         self._seed = _check_int(seed, "DistributedDataContainer: seed", _SEED_MIN, _SEED_MAX)
         self._shuffle = _check_bool(shuffle, "DistributedDataContainer: shuffle")
         self._drop_last = _check_bool(drop_last, "DistributedDataContainer: drop_last")
@@ -477,13 +296,13 @@ class DistributedDataContainer(torch.utils.data.Dataset):
             IndexError: a position is out of range.
             TypeError: ``idx`` is not an integer index or batch of indices.
         """
-        index = _as_index(idx, "DistributedDataContainer: index")
+        index = as_index(idx, "DistributedDataContainer: index")
         if isinstance(index, int):
             n = self._num_samples
             if not -n <= index < n:
                 raise _out_of_range(index, n)
-            return _getobs(self._data, int(self._current()[index]))
-        return _getobs(self._data, self._global(index))
+            return getobs_at(self._data, int(self._current()[index]))
+        return getobs_at(self._data, self._global(index))
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The observations at local positions ``indices``, fetched as one batch.
@@ -501,10 +320,10 @@ class DistributedDataContainer(torch.utils.data.Dataset):
         Returns:
             A list of observations, ``[ddc[i] for i in indices]`` with NumPy numbers as tensors.
         """
-        index = _as_index(indices, "DistributedDataContainer.__getitems__: indices")
+        index = as_index(indices, "DistributedDataContainer.__getitems__: indices")
         if isinstance(index, int):
             index = np.array([index], dtype=np.int64)
-        return _rows(self._data, _getobs(self._data, self._global(index)))
+        return split_rows(self._data, getobs_at(self._data, self._global(index)))
 
     def __repr__(self) -> str:
         return (
@@ -568,7 +387,7 @@ class UnpaddedShare(torch.utils.data.Dataset):
             IndexError: a position is out of range (``-len .. len-1``).
             TypeError: ``idx`` is not an integer index or batch of indices.
         """
-        index = _as_index(idx, "UnpaddedShare: index")
+        index = as_index(idx, "UnpaddedShare: index")
         if isinstance(index, int):
             n = self._len
             if not -n <= index < n:
@@ -578,7 +397,7 @@ class UnpaddedShare(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The observations at positions ``indices`` as a list, fetched as one batch (what a DataLoader calls)."""
-        index = _as_index(indices, "UnpaddedShare.__getitems__: indices")
+        index = as_index(indices, "UnpaddedShare.__getitems__: indices")
         if isinstance(index, int):
             index = np.array([index], dtype=np.int64)
         return self._container.__getitems__(self._positions(index))

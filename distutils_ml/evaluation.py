@@ -17,8 +17,9 @@ import torch
 from distutils_ml.arrays import unusual_tensor
 from distutils_ml.backends.base import Backend, check_backend
 from distutils_ml.collectives import allgather
-from distutils_ml.data import DistributedDataContainer, UnpaddedShare, describe_value
+from distutils_ml.data import DistributedDataContainer, UnpaddedShare
 from distutils_ml.objects import allgather_object, exclusive
+from distutils_ml.observations import describe_value
 
 __all__ = ["gather_unpadded"]
 

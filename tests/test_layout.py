@@ -48,6 +48,7 @@ LAYER = {
     "distutils_ml.optimizer": "training",
     "distutils_ml.sharded": "training",
     "distutils_ml.batchnorm": "training",
+    "distutils_ml.observations": "training",
     "distutils_ml.data": "training",
     "distutils_ml.evaluation": "training",
     "distutils_ml.rng": "training",
