@@ -27,15 +27,14 @@ pieces are allgathered back into the flat parameter buffer, which the model's
 parameters are views of. ``state_dict(to=0)`` consolidates the full state on one rank, on
 the CPU, one entry (state key and flat buffer) at a time (collectives); ``load_state_dict()``
 cuts this rank's pieces out of a full state, for any world size, and moves only them to the
-device.
+device. The layout is built in :mod:`distutils_ml.sharded_layout`, the state consolidated and
+loaded in :mod:`distutils_ml.sharded_state`.
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -58,9 +57,11 @@ from distutils_ml.buckets import (
     ring_array,
 )
 from distutils_ml.collectives import allgather, allreduce, reduce_scatter
-from distutils_ml.objects import allgather_object, exclusive
+from distutils_ml.objects import exclusive
 from distutils_ml.optimizer_base import DataParallelOptimizer
 from distutils_ml.reducer import agree_on_settings
+from distutils_ml.sharded_layout import Bucket, Piece, build_layout
+from distutils_ml.sharded_state import ShardedState
 from distutils_ml.tcpring import TcpRing, ring_for
 
 __all__ = ["ShardedOptimizer"]
@@ -89,9 +90,6 @@ _WHOLE_TENSOR = {
     "Adafactor": "whose factored second moments are the row and column means of each matrix",
     "Muon": "which orthogonalizes each parameter matrix whole",
 }
-# Each parameter starts on a 64-byte boundary of its flat buffer, as torch's allocator places tensors: CPU
-# kernels (BLAS) may round differently on data at other offsets.
-_ALIGN_BYTES = 64
 _FIX = "Create DistributedOptimizer with shard_state=True and the same op, bucket_bytes and communication_dtype"
 _NAMES = ", ".join(c.__name__ for c in ELEMENTWISE)
 
@@ -146,42 +144,7 @@ def _check_group(group: dict[str, Any], which: str) -> None:
         )
 
 
-@dataclass
-class _Flat:
-    """The flat parameter and gradient buffers of one (dtype, device)."""
-
-    values: torch.Tensor
-    grads: torch.Tensor
-    shard: int = 0  # elements of it this rank owns (the same on every rank)
-
-
-@dataclass
-class _Bucket:
-    """A contiguous range of one flat buffer, reduce-scattered and allgathered in one collective each."""
-
-    flat: _Flat
-    params: list[int]  # in the order of their elements
-    start: int
-    piece: int  # elements per rank: the bucket is size * piece long (with padding at its end)
-    values: torch.Tensor  # (size, piece) view of the flat parameters
-    grads: torch.Tensor  # (size, piece) view of the flat gradients
-    shard_at: int  # where this rank's piece starts in its shard of the flat buffer
-
-
-@dataclass
-class _Piece:
-    """This rank's part of one parameter: elements ``lo:hi`` of ``p.reshape(-1)``."""
-
-    index: int
-    tensor: torch.Tensor  # what the shard optimizer steps: shaped like the parameter if whole, else 1-D
-    grad: torch.Tensor | None  # the matching view of the flat gradients (None: a parameter outside the buffers)
-    lo: int
-    hi: int
-    whole: bool
-    shard_at: int = -1  # where it starts in this rank's shard of its flat buffer
-
-
-class ShardedOptimizer(DataParallelOptimizer, BucketMachine):
+class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState):
     """``DistributedOptimizer`` whose optimizer state is sharded over the ranks (ZeRO-1).
 
     Create it as ``dml.DistributedOptimizer(backend, optimizer, shard_state=True)``
@@ -271,88 +234,14 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine):
 
     def _build(self, params: list[torch.Tensor]) -> None:
         """Flat buffers, buckets, this rank's pieces and the shard optimizer over them; hooks on ``params``."""
-        size, rank = self._backend.size, self._backend.rank
-        groups = self._bucket_members(params)
-        starts: dict[tuple[torch.dtype, torch.device], int] = {}
-        placed: list[tuple[tuple[torch.dtype, torch.device], list[int], int, int]] = []
-        offset = [-1] * len(params)
-        for key, members in groups:
-            start = starts.get(key, 0)
-            at = start
-            align = max(1, _ALIGN_BYTES // key[0].itemsize)
-            for i in members:
-                offset[i] = at = -(-at // align) * align
-                at += params[i].numel()
-            piece = -(-(at - start) // size)
-            placed.append((key, members, start, piece))
-            starts[key] = start + piece * size
-        flats = {
-            key: _Flat(torch.zeros(total, dtype=key[0], device=key[1]), torch.zeros(total, dtype=key[0], device=key[1]))
-            for key, total in starts.items()
-        }
-        buckets: list[_Bucket] = []
-        bucket_of = [-1] * len(params)
-        for key, members, start, piece in placed:
-            flat = flats[key]
-            region = slice(start, start + piece * size)
-            buckets.append(
-                _Bucket(
-                    flat,
-                    members,
-                    start,
-                    piece,
-                    flat.values[region].view(size, piece),
-                    flat.grads[region].view(size, piece),
-                    flat.shard,
-                )
-            )
-            flat.shard += piece
-            for i in members:
-                bucket_of[i] = len(buckets) - 1
-        views: list[torch.Tensor | None] = [None] * len(params)
-        values: list[torch.Tensor | None] = [None] * len(params)
-        with torch.no_grad():
-            for i, p in enumerate(params):
-                if bucket_of[i] < 0:
-                    continue
-                flat = buckets[bucket_of[i]].flat
-                span = slice(offset[i], offset[i] + p.numel())
-                flat.values[span].copy_(p.detach().reshape(-1))
-                grad = flat.grads[span].view_as(p)
-                if p.grad is not None:
-                    grad.copy_(p.grad.to_dense() if p.grad.layout != torch.strided else p.grad)
-                    p.grad = grad
-                p.data = values[i] = flat.values[span].view_as(p)
-                views[i] = grad
-        pieces: list[_Piece] = []
-        for b in buckets:
-            own = b.start + rank * b.piece
-            for i in b.params:
-                n = params[i].numel()
-                lo, hi = max(offset[i], own) - offset[i], min(offset[i] + n, own + b.piece) - offset[i]
-                if hi <= lo:
-                    continue
-                whole = lo == 0 and hi == n
-                span = slice(offset[i] + lo, offset[i] + hi)
-                tensor, grad = b.flat.values[span], b.flat.grads[span]
-                if whole:
-                    tensor, grad = tensor.view_as(params[i]), grad.view_as(params[i])
-                pieces.append(_Piece(i, tensor, grad, lo, hi, whole, b.shard_at + offset[i] + lo - own))
-        if rank == 0:  # parameters without elements: rank 0 steps them as they are
-            pieces += [_Piece(i, params[i], None, 0, 0, True) for i in range(len(params)) if bucket_of[i] < 0]
+        layout = build_layout(params, self._bucket_members(params), self._backend.size, self._backend.rank)
         self._params = params
         self._names = self._labels()
         self._index = {id(p): i for i, p in enumerate(params)}
-        self._offset = offset
-        self._flats = list(flats.values())
-        self._buckets = buckets
-        self._bucket_of = bucket_of
-        self._views = views
-        self._values = values
-        self._pieces = pieces
-        self._head = torch.zeros(size, len(params) + 1 + 3 * len(buckets), dtype=torch.float64)
+        self._offset, self._flats, self._buckets, self._bucket_of, self._views, self._values, self._pieces = layout
+        self._head = torch.zeros(self._backend.size, len(params) + 1 + 3 * len(layout.buckets), dtype=torch.float64)
         self._scratch.clear()
-        self._inner = self._shard_optimizer(pieces)
+        self._inner = self._shard_optimizer(layout.pieces)
         self._scatter_state()
         for handle in self._hooks:
             handle.remove()
@@ -366,7 +255,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine):
         cut = cut_buckets(params, self._bucket_bytes, self._wire, SHARDED_CUT)
         return [(key, members) for _, key, members in cut]
 
-    def _shard_optimizer(self, pieces: list[_Piece]) -> torch.optim.Optimizer:
+    def _shard_optimizer(self, pieces: list[Piece]) -> torch.optim.Optimizer:
         """An optimizer of the wrapped one's class over ``pieces``, one group per wrapped group."""
         group_of = {id(p): g for g, group in enumerate(self.optimizer.param_groups) for p in group["params"]}
         members: list[list[torch.Tensor]] = [[] for _ in self.optimizer.param_groups]
@@ -568,7 +457,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine):
         self._stale = True
         return lambda: self._reduce_scatter(head, ReduceOp.SUM)
 
-    def _reduce_bucket(self, bucket: _Bucket) -> None:
+    def _reduce_bucket(self, bucket: Bucket) -> None:
         """Reduce-scatter one bucket in place: this rank's piece of the flat gradients becomes the reduced one."""
         grads = bucket.grads
         if self._wire is None or self._wire == grads.dtype:
@@ -592,7 +481,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine):
             return
         reduce_scatter(self._backend, rows, op)
 
-    def _allgather(self, bucket: _Bucket) -> None:
+    def _allgather(self, bucket: Bucket) -> None:
         """Every rank's piece of ``bucket`` into every rank's flat parameter buffer (over the ring across hosts)."""
         rows, rank, ring = bucket.values, self._backend.rank, self._ring
         array = ring_array(ring, rows, ReduceOp.SUM)
@@ -856,33 +745,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine):
             >>> full["state"][0]["exp_avg"].shape, full["state"][0]["exp_avg"].device
             (torch.Size([1, 4]), device(type='cpu'))
         """
-        to = _check_to(to, self._backend.size)
-        if self._backend.in_collective():  # inside another collective, which runs this on one rank only
-            raise RuntimeError(
-                "DistributedOptimizer(shard_state=True).state_dict() is a collective (every rank consolidates the "
-                "state), called here from inside another collective on this rank alone, where it would wait for "
-                "ranks that never join. Call opt.state_dict() on every rank and pass its result instead, e.g. "
-                "dml.save(backend, {'opt': opt.state_dict()}, path)"
-            )
-        full, _ = self._gather_state(to)
-        if full is None:
-            return None
-        outer = self.optimizer
-        added = []
-        for i, entries in full.items():
-            outer.state[self._params[i]] = entries
-            added.append(self._params[i])
-        try:
-            result = outer.state_dict()
-        finally:
-            for p in added:
-                outer.state.pop(p, None)
-        # Parameters the wrapped optimizer keeps whole (frozen ones with state of their own): on the CPU too.
-        result["state"] = {
-            i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in e.items()} if isinstance(e, dict) else e
-            for i, e in result["state"].items()
-        }
-        return result
+        return self._full_state_dict(to)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full state (from ``state_dict()`` of any world size, sharded or not); keep this rank's share.
@@ -911,18 +774,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine):
             >>> opt.step()
             >>> opt.load_state_dict(opt.state_dict(to=None))  # every rank keeps its slices of the full state
         """
-        self._check_loadable(state_dict)
-        theirs = {
-            _storage(v)
-            for entries in state_dict["state"].values()
-            if isinstance(entries, dict)
-            for v in entries.values()
-            if isinstance(v, torch.Tensor)
-        }
-        mine = self._slices(state_dict)
-        self._inner.state.clear()  # this rank's old shard goes before the new one arrives
-        self.optimizer.load_state_dict(mine)
-        self._scatter_state(theirs)
+        self._load_full(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group (every rank the same, in the same order): the layout is built again.
@@ -933,236 +785,12 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine):
         CPU for entries such as Adam's ``step``).
         """
         _check_group(param_group, "the added parameter group")
-        full, at_param = self._gather_state(None)
-        assert full is not None
-        kept = {id(self._params[i]): (self._params[i], i, entries) for i, entries in full.items()}
+        kept = self._keep_state()
         self.optimizer.add_param_group(param_group)
         self._reset_round()
         self._agreed = False
         self._build(self._params_now())
-        for pc in self._pieces:
-            p = self._params[pc.index]
-            if id(p) not in kept:
-                continue
-            _, old, entries = kept[id(p)]
-            self._inner.state[pc.tensor] = {
-                k: _place(pc, p, v, (old, k) in at_param) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-                for k, v in entries.items()
-            }
-        for p, _, entries in kept.values():  # no longer sharded (its requires_grad switched off): kept whole
-            if self._index.get(id(p)) is None:
-                self.optimizer.state[p] = entries
-
-    def _check_loadable(self, state_dict: Any) -> None:
-        """``TypeError`` / ``ValueError`` unless ``state_dict`` is an optimizer state of this optimizer's groups."""
-        how = (
-            "pass the full state on every rank: rank 0's opt.state_dict() as saved in a checkpoint (dml.load "
-            "returns it on every rank), or opt.state_dict(to=None), which returns it on every rank"
-        )
-        if not isinstance(state_dict, dict):
-            raise TypeError(
-                f"ShardedOptimizer.load_state_dict: state_dict: got {type(state_dict).__qualname__}; allowed: a dict "
-                f"in torch's format. opt.state_dict() returns the full state on rank 0 only (None elsewhere): {how}"
-            )
-        missing = [k for k in ("state", "param_groups") if k not in state_dict]
-        if missing:
-            keys = ", ".join(repr(k) for k in list(state_dict)[:8]) or "none"
-            raise ValueError(
-                f"ShardedOptimizer.load_state_dict: state_dict: has no {' or '.join(map(repr, missing))} (its keys: "
-                f"{keys}); allowed: an optimizer state dict with 'state' and 'param_groups': {how}"
-            )
-        state, saved, groups = state_dict["state"], state_dict["param_groups"], self.optimizer.param_groups
-        if not isinstance(state, dict) or not isinstance(saved, (list, tuple)):
-            raise TypeError(
-                f"ShardedOptimizer.load_state_dict: state_dict: 'state' is a {type(state).__qualname__} and "
-                f"'param_groups' a {type(saved).__qualname__}; allowed: a dict and a list, as in torch's format: {how}"
-            )
-        if not all(isinstance(g, dict) and "params" in g for g in saved):
-            raise ValueError(
-                "ShardedOptimizer.load_state_dict: state_dict: 'param_groups' holds an entry that is not a dict with "
-                f"'params'; allowed: the groups of an optimizer's state dict: {how}"
-            )
-        if len(saved) != len(groups):
-            raise ValueError(
-                f"ShardedOptimizer.load_state_dict: state_dict: has {len(saved)} parameter groups, this optimizer "
-                f"{len(groups)}; allowed: the state of an optimizer over the same parameter groups"
-            )
-        for g, (have, want) in enumerate(zip(saved, groups, strict=True)):
-            if len(have["params"]) != len(want["params"]):
-                raise ValueError(
-                    f"ShardedOptimizer.load_state_dict: state_dict: parameter group {g} has {len(have['params'])} "
-                    f"parameters, this optimizer's {len(want['params'])}; allowed: the state of an optimizer over "
-                    "the same parameters"
-                )
-
-    def _slices(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """``state_dict`` with each sharded parameter's entries cut to this rank's piece (views of the given
-        tensors where they are contiguous); parameters with no element on this rank left out."""
-        saved = [k for g in state_dict["param_groups"] for k in g["params"]]
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        piece_of = {pc.index: pc for pc in self._pieces}
-        known = set(saved)
-        state: dict[Any, Any] = {k: v for k, v in state_dict["state"].items() if k not in known}  # torch keeps these
-        for key, p in zip(saved, params, strict=True):
-            entries = state_dict["state"].get(key)
-            if entries is None:
-                continue
-            i = self._index.get(id(p))
-            if i is None or self._params[i] is not p or not isinstance(entries, dict):
-                state[key] = entries  # not sharded (frozen): the wrapped optimizer keeps it whole
-                continue
-            pc = piece_of.get(i)
-            if pc is None:
-                continue  # no element of it on this rank
-            state[key] = {k: _cut(pc, p, v) if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
-        return {**state_dict, "state": state}
-
-    def _scatter_state(self, theirs: set[int] | None = None) -> None:
-        """Move the wrapped optimizer's state of the sharded parameters into this rank's pieces.
-
-        An entry shaped like its parameter is cut to the piece (a copy). Others (entries already
-        cut by ``load_state_dict``, values such as ``step``) are taken as they are, copied only
-        when they are the caller's: ``theirs`` holds the storages of the tensors given to
-        ``load_state_dict`` (None: copy every tensor).
-        """
-        outer, inner = self.optimizer, self._inner
-        for pc in self._pieces:
-            p = self._params[pc.index]
-            entries = outer.state.get(p)
-            if not entries:
-                continue
-            mine: dict[str, Any] = {}
-            for k, v in entries.items():
-                if not isinstance(v, torch.Tensor):
-                    mine[k] = copy.deepcopy(v)
-                elif _cut(pc, p, v) is not v:
-                    mine[k] = _cut(pc, p, v).clone()
-                elif theirs is None or _storage(v) in theirs:
-                    mine[k] = v.detach().clone()
-                else:
-                    mine[k] = v.detach()
-            inner.state[pc.tensor] = mine
-        for p in self._params:
-            outer.state.pop(p, None)
-        self._sync_hyper()
-
-    def _gather_state(self, to: int | None) -> tuple[dict[int, dict[str, Any]] | None, set[tuple[int, str]]]:
-        """Every sharded parameter's full state, by index in ``_params``, on the CPU, on rank ``to`` (every rank
-        with None; None on the others), and the (index, key) of the entries that lived on their parameter's
-        device. Collectives: one allgather of what each rank holds, one of host buffers per flat buffer and key."""
-        backend = self._backend
-        meta: dict[int, list[tuple[str, tuple[Any, ...]]]] = {}
-        for pc in self._pieces:
-            entries = self._inner.state.get(pc.tensor)
-            if not entries:
-                continue
-            p = self._params[pc.index]
-            described = []
-            for k, v in entries.items():
-                if not isinstance(v, torch.Tensor):
-                    described.append((k, ("object", v)))
-                elif pc.grad is not None and _is_share(pc, p, v):
-                    described.append((k, ("shard", v.dtype, v.device == pc.tensor.device)))
-                else:
-                    described.append((k, ("value", v.detach().cpu(), v.device == pc.tensor.device)))
-            meta[pc.index] = described
-        every = allgather_object(backend, (to, meta))
-        for r, (theirs, _) in enumerate(every):
-            if theirs != every[0][0]:
-                raise ValueError(
-                    f"ShardedOptimizer.state_dict: to: rank 0 passed {every[0][0]!r}, rank {r} {theirs!r}; allowed: "
-                    "the same on every rank (the rank that receives the full state, or None for every rank)"
-                )
-        merged: dict[int, list[tuple[str, tuple[Any, ...]]]] = {}
-        for _, described_by_rank in every:
-            for i, described in described_by_rank.items():
-                merged.setdefault(i, described)
-        full: dict[int, dict[str, Any]] = {}
-        at_param: set[tuple[int, str]] = set()
-        groups: dict[tuple[int, str, torch.dtype], list[int]] = {}
-        flat_index = {id(f): n for n, f in enumerate(self._flats)}
-        for i in sorted(merged):
-            entries = full[i] = {}
-            for k, what in merged[i]:
-                if what[0] == "object":
-                    entries[k] = copy.deepcopy(what[1])
-                    continue
-                if what[2]:
-                    at_param.add((i, k))
-                if what[0] == "shard":
-                    flat = self._buckets[self._bucket_of[i]].flat
-                    groups.setdefault((flat_index[id(flat)], k, what[1]), []).append(i)
-                    entries[k] = None  # filled below, in this order
-                else:
-                    entries[k] = what[1].clone()
-        mine = to is None or backend.rank == to
-        for (f, k, dtype), members in groups.items():
-            self._gather_entry(self._flats[f], (k, dtype), members, full if mine else None)
-        return (full if mine else None), at_param
-
-    def _gather_entry(
-        self, flat: _Flat, entry: tuple[str, torch.dtype], members: list[int], full: dict[int, Any] | None
-    ) -> None:
-        """State ``entry`` (key, dtype) of parameters ``members`` (all in ``flat``) from every rank, on the CPU.
-
-        This rank's shard of it goes to a host buffer piece by piece (no device memory), the shards
-        are allgathered there, and ``full`` receives each member's entry, cut out of them (None:
-        this rank keeps nothing).
-        """
-        key, dtype = entry
-        shard = torch.zeros(flat.shard, dtype=dtype)
-        wanted = set(members)
-        for pc in self._pieces:
-            value = self._inner.state.get(pc.tensor, {}).get(key) if pc.index in wanted else None
-            if isinstance(value, torch.Tensor) and pc.grad is not None:
-                shard[pc.shard_at : pc.shard_at + pc.hi - pc.lo].copy_(value.detach().reshape(-1))
-        every = torch.empty(self._backend.size, flat.shard, dtype=dtype)
-        allgather(self._backend, shard, every)
-        if full is None:
-            return
-        buckets: dict[int, torch.Tensor] = {}
-        for i in members:
-            k = self._bucket_of[i]
-            b = self._buckets[k]
-            if k not in buckets:  # the bucket's elements in flat order: piece 0, piece 1, ...
-                buckets[k] = every[:, b.shard_at : b.shard_at + b.piece].reshape(-1)
-            p = self._params[i]
-            at = self._offset[i] - b.start
-            full[i][key] = buckets[k][at : at + p.numel()].view(p.shape).clone()
-
-
-def _check_to(to: Any, size: int) -> int | None:
-    """``to`` of ``state_dict`` as an int (or None), or the error every rank raises alike before communicating."""
-    allowed = f"a rank from 0 to {size - 1} (the one that receives the full state), or None for every rank"
-    if to is None:
-        return None
-    if isinstance(to, bool) or not isinstance(to, (int, np.integer)):
-        raise TypeError(f"ShardedOptimizer.state_dict: to: got {type(to).__qualname__} {to!r}; allowed: {allowed}")
-    if not 0 <= to < size:
-        raise ValueError(
-            f"ShardedOptimizer.state_dict: to: got {int(to)}, but this job has {size} rank(s); allowed: {allowed}"
-        )
-    return int(to)
-
-
-def _cut(pc: _Piece, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """State tensor ``v`` of parameter ``p`` cut to piece ``pc`` when it is shaped like ``p`` (a view where it
-    is contiguous); ``v`` itself when it is whole already or no per-element entry."""
-    if pc.whole or v.shape != p.shape:
-        return v
-    return v.detach().reshape(-1)[pc.lo : pc.hi]
-
-
-def _place(pc: _Piece, p: torch.Tensor, v: torch.Tensor, at_param: bool) -> torch.Tensor:
-    """Piece ``pc``'s own copy of full entry ``v`` (on the CPU), on its parameter's device or, if not
-    ``at_param``, the CPU."""
-    piece = _cut(pc, p, v)
-    return piece.to(pc.tensor.device if at_param else torch.device("cpu"), copy=piece is not v)
-
-
-def _storage(v: torch.Tensor) -> int:
-    """Where ``v``'s storage starts: tensors with the same one share their memory."""
-    return v.untyped_storage().data_ptr()
+        self._restore_state(kept)
 
 
 def _is_view(grad: torch.Tensor, view: torch.Tensor) -> bool:
@@ -1209,10 +837,3 @@ def _use_foreach(foreach: bool | None, device: torch.device) -> bool:
     if foreach and not supported:
         raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
     return supported if foreach is None else foreach
-
-
-def _is_share(pc: _Piece, p: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether state tensor ``v`` of piece ``pc`` (of parameter ``p``) holds one value per element of the piece."""
-    if pc.whole:
-        return tuple(v.shape) == tuple(p.shape)
-    return v.dim() == 1 and v.numel() == pc.hi - pc.lo

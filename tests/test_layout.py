@@ -46,6 +46,8 @@ LAYER = {
     "distutils_ml.buckets": "training",
     "distutils_ml.optimizer_base": "training",
     "distutils_ml.optimizer": "training",
+    "distutils_ml.sharded_layout": "training",
+    "distutils_ml.sharded_state": "training",
     "distutils_ml.sharded": "training",
     "distutils_ml.batchnorm": "training",
     "distutils_ml.observations": "training",
