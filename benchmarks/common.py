@@ -53,6 +53,10 @@ def print_targets(tg: list[tuple[str, str, bool]], ratios: str) -> None:
     print(f"\n{sum(ok for *_, ok in tg)}/{len(tg)} targets PASS")
 
 
+#: How the per-step benchmarks (ddp.py, gpu_step.py) compute a ratio, as written into their JSON.
+STEP_RATIO_DEFINITION = "median over steps of t(contender)/t(reference) within the same step"
+
+
 def write_json(path: str, data: dict[str, Any]) -> None:
     """Write a run's results to ``path`` (``--json``) and say so."""
     with open(path, "w") as f:

@@ -621,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "env": env,
                 "args": vars(args),
-                "ratio_definition": "median over steps of t(contender)/t(reference) within the same step",
+                "ratio_definition": common.STEP_RATIO_DEFINITION,
                 "results": results,
                 "targets": [{"target": t, "measured": m, "pass": ok} for t, m, ok in tg],
                 "foreign_load": foreign,

@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "env": env,
                 "args": vars(args),
-                "ratio_definition": "median over steps of t(contender)/t(reference) within the same step",
+                "ratio_definition": common.STEP_RATIO_DEFINITION,
                 "results": results,
                 "failures": failures,
                 "elapsed_s": elapsed,
