@@ -39,7 +39,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._foreach_utils import _device_has_foreach_support
 
 from distutils_ml.backends.base import Backend, ReduceOp, resolve_op
 from distutils_ml.buckets import (
@@ -56,95 +55,22 @@ from distutils_ml.buckets import (
     order_mismatch,
     ring_array,
 )
-from distutils_ml.collectives import allgather, allreduce, reduce_scatter
+from distutils_ml.collectives import allgather, reduce_scatter
 from distutils_ml.objects import exclusive
 from distutils_ml.optimizer_base import DataParallelOptimizer
 from distutils_ml.reducer import agree_on_settings
+from distutils_ml.sharded_clip import ShardedClipping
 from distutils_ml.sharded_layout import Bucket, Piece, build_layout
+from distutils_ml.sharded_rules import check_group, check_shardable, register_elementwise
 from distutils_ml.sharded_state import ShardedState
 from distutils_ml.tcpring import TcpRing, ring_for
 
 __all__ = ["ShardedOptimizer"]
 
-#: Optimizers whose update of each element depends only on that element's gradient and state (these exact
-#: classes: a subclass may compute per-tensor quantities, see ``check_shardable``).
-ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.RMSprop,
-    torch.optim.Adagrad,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.ASGD,
-    torch.optim.Adadelta,
-    torch.optim.Rprop,
-)
-# Classes registered with ShardedOptimizer.register_elementwise, exactly (not their subclasses).
-_REGISTERED: set[type[torch.optim.Optimizer]] = set()
-# Optimizers whose math needs each parameter whole, and why.
-_WHOLE_TENSOR = {
-    "LBFGS": "whose line search uses the norms and dot products of all gradients together",
-    "SparseAdam": "which needs sparse gradients",
-    "Adafactor": "whose factored second moments are the row and column means of each matrix",
-    "Muon": "which orthogonalizes each parameter matrix whole",
-}
 _FIX = "Create DistributedOptimizer with shard_state=True and the same op, bucket_bytes and communication_dtype"
-_NAMES = ", ".join(c.__name__ for c in ELEMENTWISE)
 
 
-def _whole_tensor(cls: type) -> tuple[str, str] | None:
-    """(name, why) of the whole-tensor torch optimizer ``cls`` is or derives from, else None."""
-    for name, why in _WHOLE_TENSOR.items():
-        known = getattr(torch.optim, name, None)
-        if known is not None and issubclass(cls, known):
-            return name, why
-    return None
-
-
-def check_shardable(optimizer: torch.optim.Optimizer) -> None:
-    """``TypeError`` unless ``optimizer`` is of a class known to be elementwise (each element's update depends
-    only on that element's gradient and state), exactly: one of ``ELEMENTWISE`` or a registered class, not a
-    subclass of one; and none of its parameter groups asks for ``differentiable=True``."""
-    cls = type(optimizer)
-    name = cls.__qualname__
-    whole = _whole_tensor(cls)
-    if whole is not None:
-        raise TypeError(
-            f"optimizer: got {name} (torch.optim.{whole[0]}, {whole[1]}); with shard_state=True every rank steps "
-            "its own W-th of each parameter's elements, which only elementwise optimizers allow. Use "
-            f"shard_state=False with it, or an elementwise optimizer ({_NAMES})"
-        )
-    if cls not in ELEMENTWISE and cls not in _REGISTERED:
-        known = next((c for c in cls.__mro__[1:] if c in ELEMENTWISE or c in _REGISTERED), None)
-        where = "torch.optim." if known in ELEMENTWISE else ""
-        what = f"a subclass of {where}{known.__qualname__}" if known is not None else "not known to be elementwise"
-        raise TypeError(
-            f"optimizer: got {name}, {what}; shard_state=True steps each rank's W-th of every parameter's elements "
-            "as 1-D pieces of a flat buffer, which is right only when each element's update depends on nothing but "
-            "its own gradient and state. A subclass may compute per-tensor quantities (a norm, a trust ratio "
-            "||w|| / ||update|| as in LARS or LAMB), which would be computed on each piece instead of the whole "
-            f"parameter: wrong steps, no error. Accepted: exactly torch.optim.{_NAMES}, and classes registered as "
-            f"elementwise. Use shard_state=False with {name}; or, if every element's update of {name} depends only "
-            f"on that element's gradient and state, register it on every rank: "
-            f"dml.ShardedOptimizer.register_elementwise({name})"
-        )
-    for g, group in enumerate(optimizer.param_groups):
-        _check_group(group, f"parameter group {g}")
-
-
-def _check_group(group: dict[str, Any], which: str) -> None:
-    """``TypeError`` if parameter group ``group`` asks for what a sharded step cannot give."""
-    if group.get("differentiable"):
-        raise TypeError(
-            f"optimizer: {which} has differentiable=True; with shard_state=True the step updates pieces of a flat "
-            "buffer and allgathers them, which autograd does not follow, so the step would not be differentiable. "
-            "Use differentiable=False, or shard_state=False"
-        )
-
-
-class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState):
+class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, ShardedClipping):
     """``DistributedOptimizer`` whose optimizer state is sharded over the ranks (ZeRO-1).
 
     Create it as ``dml.DistributedOptimizer(backend, optimizer, shard_state=True)``
@@ -320,24 +246,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState):
             >>> model = torch.nn.Linear(4, 1)
             >>> opt = dml.DistributedOptimizer(backend, SignSGD(model.parameters(), lr=0.01), shard_state=True)
         """
-        if not isinstance(optimizer_class, type) or not issubclass(optimizer_class, torch.optim.Optimizer):
-            given = (
-                f"an instance of {type(optimizer_class).__qualname__}"
-                if not isinstance(optimizer_class, type)
-                else optimizer_class.__qualname__
-            )
-            raise TypeError(
-                f"ShardedOptimizer.register_elementwise: optimizer_class: got {given}; allowed: a subclass of "
-                "torch.optim.Optimizer, the class itself (register_elementwise(MyOptimizer), not an instance)"
-            )
-        whole = _whole_tensor(optimizer_class)
-        if whole is not None:
-            raise TypeError(
-                f"ShardedOptimizer.register_elementwise: optimizer_class: got {optimizer_class.__qualname__}, "
-                f"derived from torch.optim.{whole[0]}, {whole[1]}: not elementwise. Use shard_state=False with it"
-            )
-        _REGISTERED.add(optimizer_class)
-        return optimizer_class
+        return register_elementwise(optimizer_class)
 
     @property
     def shard_optimizer(self) -> torch.optim.Optimizer:
@@ -617,100 +526,6 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState):
             for b in self._buckets:
                 self._allgather(b)
 
-    # -- clipping ------------------------------------------------------------------------------
-
-    def clip_grad_norm_(
-        self,
-        max_norm: float,
-        norm_type: float = 2.0,
-        error_if_nonfinite: bool = False,
-        foreach: bool | None = None,
-    ) -> torch.Tensor:
-        """Clip the gradients by their global norm: ``torch.nn.utils.clip_grad_norm_`` on the reduced gradients.
-
-        The norm is what ``torch.nn.utils.clip_grad_norm_`` returns on one process for the full
-        reduced gradients (those of ``shard_state=False`` after ``backward()``), up to rounding
-        (each rank sums its pieces' p-th powers in float64; one small allreduce): NaN if any element
-        is NaN, inf if one is infinite and none NaN. Each rank scales its shard, the part of ``.grad``
-        the step reads, by torch's factor ``min(max_norm / (norm + 1e-6), 1)``, so, as with torch, a
-        NaN norm makes every gradient NaN and an infinite one zeroes the finite ones. Call it on every
-        rank, after the step's last ``backward()`` and before ``step()``. Gradients no backward
-        reduced (accumulated inside ``no_sync()``, or set by hand) are reduce-scattered first, as
-        ``synchronize()`` and ``step()`` would.
-
-        Args:
-            max_norm: the largest norm allowed.
-            norm_type: the p of the p-norm, a number > 0 (``float("inf")`` for the largest magnitude).
-            error_if_nonfinite: raise torch's ``RuntimeError`` when the norm is NaN or infinite,
-                before scaling anything; decided from the reduced norm, so on every rank alike.
-            foreach: as torch's: None uses the foreach kernels where the device has them, True
-                requires them (``RuntimeError`` where it has none), False loops over the tensors.
-
-        Returns:
-            The norm of the gradients before clipping, the same on every rank, as torch returns it: a
-            0-d tensor on the device of the first parameter with a gradient, in the gradients' dtype
-            (promoted across them); ``tensor(0.)`` on the CPU when no parameter has a gradient.
-
-        Raises:
-            ValueError: ``norm_type`` is not a number > 0 (before any communication).
-            RuntimeError: called inside ``no_sync()``, where the gradients are not reduced (before any
-                communication); or ``error_if_nonfinite`` and the norm is not finite (on every rank).
-
-        Example:
-            >>> model = torch.nn.Linear(4, 1)
-            >>> opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1), shard_state=True)
-            >>> model(torch.ones(2, 4)).sum().backward()
-            >>> norm = opt.clip_grad_norm_(1.0)  # the norm of the averaged gradients, from every rank's shard
-            >>> opt.step()
-        """
-        max_norm, norm_type = float(max_norm), float(norm_type)
-        if not norm_type > 0:
-            raise ValueError(
-                f"ShardedOptimizer.clip_grad_norm_: norm_type: got {norm_type}; allowed: a number > 0, or float('inf')"
-            )
-        if self._no_sync:
-            raise RuntimeError(
-                "ShardedOptimizer.clip_grad_norm_: called inside opt.no_sync(), where the gradients are not reduced: "
-                "each rank holds its own, so there is no global norm to clip by (DDP would measure each rank's "
-                "local gradients here, which a sharded gradient buffer cannot give). Call it on every rank after "
-                "the step's reducing backward (the last, outside no_sync()), or after leaving no_sync(): it then "
-                "reduces what was accumulated first, as step() would"
-            )
-        self.synchronize()  # reduces only what no backward reduced
-        inf = norm_type == float("inf")
-        pieces: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for pc in self._pieces:
-            if pc.grad is not None and self._params[pc.index].grad is not None:
-                pieces.setdefault((pc.grad.device, pc.grad.dtype), []).append(pc.grad)
-        with torch.no_grad():
-            local = _local_norm(pieces, norm_type, foreach)
-        allreduce(self._backend, local, ReduceOp.MAX if inf else ReduceOp.SUM)
-        total = float("nan") if local[1] > 0 else float(local[0]) if inf else float(local[0]) ** (1.0 / norm_type)
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if not grads:
-            return torch.tensor(total)
-        dtype = grads[0].dtype
-        for g in grads[1:]:
-            dtype = torch.promote_types(dtype, g.dtype)
-        norm = torch.tensor(total, dtype=dtype)
-        if error_if_nonfinite and not np.isfinite(total):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
-                "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
-                "`error_if_nonfinite=False`"
-            )
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch computes it, in the norm's dtype
-        if coef.item() != 1.0:  # NaN included
-            with torch.no_grad():
-                for (device, _), tensors in pieces.items():
-                    factor = coef.to(device)
-                    if _use_foreach(foreach, device):
-                        torch._foreach_mul_(tensors, factor)
-                    else:
-                        for t in tensors:
-                            t.mul_(factor)
-        return norm.to(grads[0].device)
-
     # -- state ---------------------------------------------------------------------------------
 
     def state_dict(self, to: int | None = 0) -> dict[str, Any] | None:
@@ -784,7 +599,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState):
         new pieces cut out of it and placed where their state was (the parameters' device, or the
         CPU for entries such as Adam's ``step``).
         """
-        _check_group(param_group, "the added parameter group")
+        check_group(param_group, "the added parameter group")
         kept = self._keep_state()
         self.optimizer.add_param_group(param_group)
         self._reset_round()
@@ -804,36 +619,3 @@ def _any_nonzero(tensors: list[torch.Tensor]) -> bool:
     for t in tensors:
         found.setdefault(t.device, []).append(t.any())
     return any(bool(torch.stack(flags).any()) for flags in found.values())
-
-
-def _local_norm(
-    pieces: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]], norm_type: float, foreach: bool | None
-) -> np.ndarray:
-    """This rank's part of the ``norm_type``-norm of ``pieces`` (grouped by device and dtype), in float64: the sum
-    of their p-th powers (for inf, the largest magnitude) without the NaNs, and how many pieces hold a NaN.
-
-    Kept apart so that a reduction never meets a NaN (MPI's MAX may drop one); one device synchronization per
-    device."""
-    inf = norm_type == float("inf")
-    local = np.zeros(2, dtype=np.float64)
-    for (device, _), tensors in pieces.items():
-        if _use_foreach(foreach, device):
-            norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=torch.float64))
-        else:
-            norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=torch.float64) for t in tensors])
-        nan = norms.isnan()
-        norms = norms.masked_fill(nan, 0.0)
-        part = norms.max() if inf else norms.pow(norm_type).sum()
-        value, nans = torch.stack([part, nan.sum().double()]).cpu().tolist()
-        local[0] = max(local[0], value) if inf else local[0] + value
-        local[1] += nans
-    return local
-
-
-def _use_foreach(foreach: bool | None, device: torch.device) -> bool:
-    """Whether torch's clipping would use the foreach kernels for tensors on ``device``, given its ``foreach``
-    (None: where the device has them); its ``RuntimeError`` where ``foreach=True`` cannot."""
-    supported = _device_has_foreach_support(device)
-    if foreach and not supported:
-        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
-    return supported if foreach is None else foreach
