@@ -40,7 +40,6 @@ import numpy as np
 import torch
 
 from distutils_ml.backends.base import Backend, ReduceOp
-from distutils_ml.commthread import comm_thread
 from distutils_ml.objects import exclusive
 from distutils_ml.tcpring import TcpRing, transport_choice
 
@@ -437,7 +436,7 @@ class BucketMachine(abc.ABC):
             self._send(backend, state, state.sent, overlap=overlap)
         last = self._close(state)
         if overlap:
-            worker = comm_thread(backend)
+            worker = backend.comm_thread()
             if last is not None:
                 worker.submit(last)
             worker.wait()
@@ -452,7 +451,7 @@ class BucketMachine(abc.ABC):
         if not overlap:
             self._communicate(backend, k, tensor)
             return
-        comm_thread(backend).submit(self._job(backend, k, tensor, state))
+        backend.comm_thread().submit(self._job(backend, k, tensor, state))
 
     def _job(self, backend: Backend, k: int, tensor: torch.Tensor, state: Round) -> Callable[[], None]:
         if not tensor.is_cuda:

@@ -112,9 +112,7 @@ def allreduce(backend: Backend, sendbuf: Any, recvbuf: Any = None, op: Any = Non
         array([3., 4.])
     """
     check_backend(backend, "allreduce")
-    entry = backend._entry  # one thread at a time (inlined: this is the hot path)
-    if backend._comm_pending or not entry.acquire(False):
-        backend._enter("allreduce")  # after the communication thread's jobs, or refused
+    backend._enter("allreduce")  # one thread at a time: after the communication thread's jobs, or refused
     try:
         if op is None:
             recvbuf, op = _split_op(recvbuf, op)
@@ -143,7 +141,7 @@ def allreduce(backend: Backend, sendbuf: Any, recvbuf: Any = None, op: Any = Non
             _allreduce_native(backend, send, recv, op)
         return out
     finally:
-        entry.release()
+        backend._leave()
 
 
 def _allreduce_native(backend: Backend, send: np.ndarray | None, recv: np.ndarray, op: ReduceOp) -> None:

@@ -216,6 +216,31 @@ class DistributedDataContainer(torch.utils.data.Dataset):
         return self._num_padded
 
     @property
+    def rank(self) -> int:
+        """The rank whose share this is (the backend's rank at construction)."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks the data is split over (the backend's size at construction)."""
+        return self._world_size
+
+    @property
+    def num_observations(self) -> int:
+        """The number of observations in the whole dataset (``numobs(data)``)."""
+        return self._n
+
+    def placement(self) -> tuple[np.ndarray, np.ndarray]:
+        """For each observation kept this epoch, in ascending global index: the rank that holds it and its row
+        there (two int64 arrays; with ``drop_last`` the dropped tail is left out, padding never appears)."""
+        n, w, m = self._n, self._world_size, self._num_samples
+        kept = m * w if self._drop_last else n  # positions of the padded index list that are not padding
+        positions = np.arange(kept, dtype=np.int64)
+        if self._shuffle:
+            positions = np.argsort(self._order(self.epoch)[:kept], kind="stable")
+        return positions % w, positions // w
+
+    @property
     def epoch(self) -> int:
         """The epoch whose partition the container holds (see :meth:`set_epoch`)."""
         return int(self._epoch_view[0])

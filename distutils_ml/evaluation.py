@@ -101,13 +101,19 @@ def _share_facts(share: Any, backend: Backend) -> tuple[DistributedDataContainer
             f"share: got {describe_value(share)}; allowed: the DistributedDataContainer the values were computed on "
             "(or its unpadded() view)",
         )
-    if (container._rank, container._world_size) != (backend.rank, backend.size):
+    if (container.rank, container.world_size) != (backend.rank, backend.size):
         raise _Problem(
             ValueError,
-            f"share: it was built for rank {container._rank} of {container._world_size}, but this is rank "
+            f"share: it was built for rank {container.rank} of {container.world_size}, but this is rank "
             f"{backend.rank} of {backend.size}: pass the container this rank built with this backend",
         )
-    return container, (container._n, container._shuffle, container._seed, container._drop_last, container.epoch)
+    return container, (
+        container.num_observations,
+        container.shuffle,
+        container.seed,
+        container.drop_last,
+        container.epoch,
+    )
 
 
 _FACTS = ("numobs(data)", "shuffle", "seed", "drop_last", "epoch")
@@ -143,16 +149,6 @@ def _verdict(reports: list[tuple[Any, ...]]) -> tuple[type[Exception], str] | No
                         "the same kind, dtype, shape after the first axis and device type"
                     )
     return None
-
-
-def _sources(container: DistributedDataContainer) -> tuple[np.ndarray, np.ndarray]:
-    """For each kept observation in ascending global index: the rank holding it and its row there."""
-    n, w, m = container._n, container._world_size, container._num_samples
-    kept = m * w if container._drop_last else n  # positions of the padded index list that are not padding
-    positions = np.arange(kept, dtype=np.int64)
-    if container._shuffle:
-        positions = np.argsort(container._order(container.epoch)[:kept], kind="stable")
-    return positions % w, positions // w
 
 
 def _gather_rows(backend: Backend, leaf: Any, rows: tuple[int, ...], m: int, take: np.ndarray) -> Any:
@@ -245,7 +241,7 @@ def gather_unpadded(backend: Backend, values: Any, share: DistributedDataContain
         verdict = _verdict(reports)
         if verdict is not None:
             raise verdict[0](f"gather_unpadded: {verdict[1]}")
-        ranks, rows = _sources(container)
+        ranks, rows = container.placement()
         take = ranks * len(container) + rows
         unpadded = len(container) - container.num_padded
         gathered = []

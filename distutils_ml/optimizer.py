@@ -93,7 +93,7 @@ def allreduce_gradients(
                 "allreduce_gradients", *key, None, params=list, labels=list, fix=_FIX_ALLREDUCE
             )
         reducer = reducers[key]
-    reducer._params_of, reducer._labels = (lambda: params), (lambda: labels)
+    reducer.use(lambda: params, lambda: labels)
     reducer.reduce(backend)
 
 

@@ -105,6 +105,10 @@ class GradientReducer(BucketMachine):
         #: called after each reduction that ran during a backward
         self.on_reduced: Callable[[], None] = lambda: None
 
+    def use(self, params: Callable[[], list[torch.Tensor]], labels: Callable[[], list[str]]) -> None:
+        """Take the parameters (and their names for messages) from ``params()`` and ``labels()`` from now on."""
+        self._params_of, self._labels = params, labels
+
     # -- the plan ------------------------------------------------------------------------
 
     def _key(self, params: list[torch.Tensor]) -> tuple:

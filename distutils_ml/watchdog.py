@@ -182,9 +182,10 @@ Status = tuple[int, str, str, str]
 class MPIWatchdog:
     """A daemon thread that watches this rank's collectives and names stalls.
 
-    The backend stores ``(seq, kind, array, op, root, start)`` in ``backend._inflight``
-    while a collective runs. The thread answers other ranks' status requests on a
-    private communicator (needs MPI_THREAD_MULTIPLE, mpi4py's default).
+    The backend shows ``(seq, kind, shape, dtype, op, root, start)`` as ``backend.call_in_flight``
+    while a collective runs (``calls_started``, ``recent_calls`` and ``MPI`` are its other members read here).
+    The thread answers other ranks' status requests on a private communicator (needs MPI_THREAD_MULTIPLE,
+    mpi4py's default).
     """
 
     def __init__(self, backend: Any, comm: Any, timeout: float) -> None:
@@ -207,10 +208,10 @@ class MPIWatchdog:
 
     def _status(self, seq: int) -> Status:
         """(last started seq, what this rank is doing, what its collective #seq was, what its last one was)."""
-        history = self.backend._history
+        history = self.backend.recent_calls
         call = next((_call_text(r) for r in reversed(history) if r[0] == seq), "")
         last = _call_text(history[-1]) if history else ""
-        return self.backend._seq, _describe_inflight(self.backend._inflight), call, last
+        return self.backend.calls_started, _describe_inflight(self.backend.call_in_flight), call, last
 
     def _send(self, obj: Any, dest: int, tag: int) -> None:
         """A non-blocking send whose request is kept until it completes (never blocks on a dead rank)."""
@@ -218,7 +219,7 @@ class MPIWatchdog:
         self._sends.append(self.comm.isend(obj, dest=dest, tag=tag))
 
     def _answer_requests(self) -> None:
-        MPI = self.backend._MPI
+        MPI = self.backend.MPI
         st = MPI.Status()
         while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_REQUEST, status=st):
             src = st.Get_source()
@@ -231,7 +232,7 @@ class MPIWatchdog:
         try:
             while not self._stop.wait(self.poll):
                 self._answer_requests()
-                record = self.backend._inflight
+                record = self.backend.call_in_flight
                 if record is None:
                     continue
                 seq, start = record[0], record[-1]
@@ -249,7 +250,7 @@ class MPIWatchdog:
                         f"(timeout= of initialize, or {TIMEOUT_ENV})"
                     )
         except Exception as exc:
-            if not (self._stop.is_set() or self.backend._MPI.Is_finalized()):
+            if not (self._stop.is_set() or self.backend.MPI.Is_finalized()):
                 self._write(f"warning: stall detection stopped: the watchdog thread raised {type(exc).__name__}: {exc}")
 
     def _write(self, text: str) -> None:
@@ -258,7 +259,7 @@ class MPIWatchdog:
 
     def _collect(self, seq: int) -> dict[int, Status]:
         """Every rank's ``_status(seq)``; ranks that do not answer in time are left out."""
-        MPI = self.backend._MPI
+        MPI = self.backend.MPI
         rank, size = self.backend.rank, self.backend.size
         self._token += 1
         for r in range(size):
@@ -306,7 +307,7 @@ class MPIWatchdog:
             if not what.startswith("in "):
                 note = f" (last started #{r_seq}: {last or 'none'})" + note
             lines.append(f"  rank {r}: {what}{note}{on}")
-        if self.backend._inflight is not record:
+        if self.backend.call_in_flight is not record:
             return  # the collective ended while the answers came in
         rank = self.backend.rank
         if not missing and not different:
@@ -328,4 +329,4 @@ class MPIWatchdog:
         )
         sys.stderr.write(msg)
         sys.stderr.flush()
-        abort_job(self.backend._MPI)
+        abort_job(self.backend.MPI)

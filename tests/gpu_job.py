@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 import distutils_ml as dml
-from distutils_ml.commthread import comm_thread
 
 import sharded_bodies
 
@@ -337,8 +336,8 @@ def check_devices(backend: dml.Backend) -> str:
     is refused before any call (only with two GPUs or more)."""
     here = torch.cuda.current_device()
     seen: list[int] = []
-    comm_thread(backend).submit(lambda: seen.append(torch.cuda.current_device()))
-    comm_thread(backend).wait()
+    backend.comm_thread().submit(lambda: seen.append(torch.cuda.current_device()))
+    backend.comm_thread().wait()
     assert seen == [here], f"a communication-thread job ran on cuda:{seen[0]}, not this rank's cuda:{here}"
     if backend.device is None or torch.cuda.device_count() < 2:
         return "other-GPU buffer: not checked (one GPU, or a backend that takes any GPU)"
@@ -350,6 +349,16 @@ def check_devices(backend: dml.Backend) -> str:
     else:
         raise AssertionError("a buffer on another GPU than the communicator's was not refused")
     return "other-GPU buffer: refused"
+
+
+def check_duplicate(backend: dml.Backend) -> None:
+    """A duplicate backend on the same GPU reduces like the original."""
+    dup = backend.duplicate()
+    assert type(dup) is type(backend) and dup.device == backend.device, (dup, dup.device, backend.device)
+    x = torch.full((5,), float(backend.rank + 1), device="cuda")
+    dml.allreduce(dup, x, dml.SUM)
+    w = backend.size
+    assert torch.equal(x.cpu(), torch.full((5,), w * (w + 1) / 2)), x
 
 
 def main(kind: str) -> None:
@@ -372,6 +381,7 @@ def main(kind: str) -> None:
     memory = check_sharded(backend)
     check_checkpoint(backend)
     devices = check_devices(backend)
+    check_duplicate(backend)
     dml.print(backend, f"sharded state memory: {memory}")
     dml.barrier(backend)
     if dml.local_rank(backend) == 0:

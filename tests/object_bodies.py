@@ -116,4 +116,36 @@ def large_pickle(backend: dml.Backend) -> None:
     assert pickle.dumps(parts[-1]) == pickle.dumps(arr[: 1000 * backend.size])
 
 
-BODIES = [values, failures, large_pickle]
+def duplicate(backend: dml.Backend) -> None:
+    """backend.duplicate(): the same ranks over a communicator of their own, so a second thread's collectives on it
+    run while the first thread's run on the original, and neither pairs up with the other's."""
+    dup = backend.duplicate()
+    assert dup is not backend and type(dup) is type(backend), dup
+    assert (dup.rank, dup.size) == (backend.rank, backend.size)
+    rank, size = backend.rank, backend.size
+    errors: list[BaseException] = []
+
+    def side() -> None:
+        try:
+            for i in range(15):
+                buf = np.full(3, float(rank + i))
+                dml.allreduce(dup, buf, dml.SUM)
+                assert (buf == sum(r + i for r in range(size))).all(), (i, buf)
+        except BaseException as e:  # re-raised on the main thread
+            errors.append(e)
+
+    helper = threading.Thread(target=side, name="side-channel")
+    helper.start()
+    for i in range(15):
+        buf = np.full(2, float(rank * 10 - i), dtype=np.float32)
+        dml.allreduce(backend, buf, dml.MAX)
+        assert (buf == (size - 1) * 10 - i).all(), (i, buf)
+    helper.join(60)
+    assert not helper.is_alive(), "the duplicate's thread hung"
+    if errors:
+        raise errors[0]
+    _world_still_works(dup)
+    _world_still_works(backend)
+
+
+BODIES = [values, failures, large_pickle, duplicate]

@@ -18,9 +18,10 @@ LAYERS = ("foundation", "transport", "collectives", "state", "training", "faces"
 
 #: Every module of the package and its layer: the one place the layout is written down.
 LAYER = {
-    # foundation: the backend contract, and stall detection that every backend uses
+    # foundation: the backend contract, its communication thread, and stall detection that every backend uses
     "distutils_ml.backends.base": "foundation",
     "distutils_ml.watchdog": "foundation",
+    "distutils_ml.commthread": "foundation",
     # transport: array handling, the backends, the process's registry of them
     "distutils_ml.arrays": "transport",
     "distutils_ml.backends": "transport",
@@ -40,14 +41,15 @@ LAYER = {
     "distutils_ml.synchronize": "state",
     "distutils_ml.buffers": "state",
     # training: gradients, optimizers, normalization, data, checkpoints
-    "distutils_ml.commthread": "training",
     "distutils_ml.tcpring": "training",
     "distutils_ml.reducer": "training",
     "distutils_ml.buckets": "training",
     "distutils_ml.optimizer_base": "training",
     "distutils_ml.optimizer": "training",
+    "distutils_ml.sharded_rules": "training",
     "distutils_ml.sharded_layout": "training",
     "distutils_ml.sharded_state": "training",
+    "distutils_ml.sharded_clip": "training",
     "distutils_ml.sharded": "training",
     "distutils_ml.batchnorm": "training",
     "distutils_ml.observations": "training",
@@ -195,3 +197,79 @@ def test_the_checks_see_lazy_imports_and_skip_type_checking_ones() -> None:
     assert found == [("typing", ["TYPE_CHECKING"]), ("distutils_ml.objects", ["_y"])]
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]
+
+
+#: Protected methods of ``Backend`` (backends/base.py): the contract between a backend and the collectives layer
+#: above it (the primitives, the entry protocol, the debug check). Modules above may call them on a backend.
+BACKEND_CONTRACT = frozenset(
+    node.name
+    for node in next(
+        n
+        for n in ast.parse((PACKAGE / "backends" / "base.py").read_text()).body
+        if isinstance(n, ast.ClassDef) and n.name == "Backend"
+    ).body
+    if isinstance(node, ast.FunctionDef) and node.name.startswith("_") and not node.name.startswith("__")
+)
+
+#: Private names of other libraries the package uses on purpose, each with why.
+OUTSIDE_PRIVATES = {
+    "_C": "torch._C._current_graph_task_id: the autograd pass a hook runs in (no public equivalent)",
+    "_current_graph_task_id": "see _C",
+    "_execution_engine": "torch.autograd.Variable._execution_engine.queue_callback: DDP's end-of-backward callback",
+    "_BatchNorm": "torch.nn.modules.batchnorm._BatchNorm: the base class SyncBatchNorm conversion looks for",
+    "_foreach_norm": "torch._foreach_norm: clip_grad_norm_ as torch computes it",
+    "_foreach_mul_": "torch._foreach_mul_: clip_grad_norm_ as torch computes it",
+    "_getframe": "sys._getframe: the call site debug mode reports",
+    "_fields": "a namedtuple's public field list",
+}
+
+
+def private_reach(path: Path) -> list[tuple[int, str]]:
+    """(line, name) of each private attribute read or written on something other than ``self``/``cls``/``super()``
+    that this module does not define itself (its own functions, classes, or ``self.<name>`` attributes)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    own: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("self", "cls")
+        ):
+            own.add(node.attr)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        target = node.value
+        if isinstance(target, ast.Name) and target.id in ("self", "cls"):
+            continue
+        if isinstance(target, ast.Call) and isinstance(target.func, ast.Name) and target.func.id == "super":
+            continue
+        if node.attr in own or node.attr in BACKEND_CONTRACT or node.attr in OUTSIDE_PRIVATES:
+            continue
+        found.append((node.lineno, node.attr))
+    return found
+
+
+def test_no_module_reaches_into_another_modules_objects() -> None:
+    reach = [
+        f"{module} (line {line}) uses .{name}" for module, path in MODULES.items() for line, name in private_reach(path)
+    ]
+    assert not reach, (
+        "private attributes of objects another module defines (give their owner a public method or property; a "
+        "backend's protected methods are the contract only where backends/base.py's Backend declares them):\n"
+        + "\n".join(reach)
+    )
+
+
+def test_the_reach_check_sees_reads_and_writes(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text(
+        "class A:\n    def __init__(self):\n        self._mine = 1\n"
+        "    def f(self, other):\n        other._theirs = self._mine + other._mine\n        other._allreduce()\n"
+        "        return other._elsewhere\n"
+    )
+    assert private_reach(source) == [(5, "_theirs"), (7, "_elsewhere")]

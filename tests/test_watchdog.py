@@ -251,13 +251,13 @@ def _verdict(replies: dict[int, tuple[int, str, str, str]], *, ends_meanwhile: b
     """
     mpi = _FakeMPI()
     record = (2, *RECORD_ARGS, time.monotonic())
-    backend = SimpleNamespace(_MPI=mpi, rank=0, size=3, _seq=2, _inflight=record, _history=[record])
+    backend = SimpleNamespace(MPI=mpi, rank=0, size=3, calls_started=2, call_in_flight=record, recent_calls=[record])
     dog = MPIWatchdog(backend, _QuietComm(), timeout=1000.0)
 
     def collect(seq: int) -> dict[int, tuple[int, str, str, str]]:
         assert seq == 2
         if ends_meanwhile:
-            backend._inflight = None
+            backend.call_in_flight = None
         return {0: (2, MINE, CALL, CALL), **replies}
 
     dog._collect = collect  # type: ignore[method-assign]
@@ -340,7 +340,7 @@ def test_a_collective_that_ends_while_the_answers_come_is_left_alone(capsys: pyt
 
 
 def test_a_failing_watchdog_says_so_before_stopping(capsys: pytest.CaptureFixture[str]) -> None:
-    backend = SimpleNamespace(_MPI=_FakeMPI(), rank=4, size=8, _seq=0, _inflight=None, _history=[])
+    backend = SimpleNamespace(MPI=_FakeMPI(), rank=4, size=8, calls_started=0, call_in_flight=None, recent_calls=[])
     dog = MPIWatchdog(backend, _QuietComm(RuntimeError("probe failed")), timeout=0.2)
     dog._thread.join(5)
     assert not dog._thread.is_alive()

@@ -101,11 +101,8 @@ class Backend(abc.ABC):
     def __init__(self) -> None:
         # Held by the thread inside a public collective (re-entrant: composite calls nest).
         self._entry = threading.RLock()
-        # The communication thread (distutils_ml.commthread), its queued and running jobs, and
-        # whether it holds _entry now.
+        # The communication thread (distutils_ml.commthread.CommThread), started at the first comm_thread().
         self._comm: Any = None
-        self._comm_pending = 0
-        self._comm_holds = False
 
     def _enter(self, caller: str) -> None:
         """Claim this backend for the calling thread, or raise if another thread is inside a collective.
@@ -116,10 +113,11 @@ class Backend(abc.ABC):
         waits for the jobs queued on it (gradient buckets), so it leaves after them, as the
         program ordered it on every rank. Pair every successful call with :meth:`_leave`.
         """
-        if self._comm_pending and threading.get_ident() != self._comm.ident:
-            self._comm.wait(errors=False)
-        if not self._entry.acquire(blocking=False):
-            if not self._comm_holds:
+        comm = self._comm
+        if comm is not None and comm.pending and threading.get_ident() != comm.ident:
+            comm.wait(errors=False)
+        if not self._entry.acquire(False):
+            if comm is None or not comm.holds:
                 raise busy(self, caller)
             self._entry.acquire()
 
@@ -129,6 +127,19 @@ class Backend(abc.ABC):
     def in_collective(self) -> bool:
         """Whether the calling thread is inside one of this backend's collectives now."""
         return _owner(self._entry) == threading.get_ident()
+
+    def comm_thread(self) -> Any:
+        """This backend's communication thread (a :class:`distutils_ml.commthread.CommThread`), started at the
+        first call: jobs submitted to it run one after another, each holding the backend as a collective does."""
+        comm = self._comm
+        if comm is None:
+            with _COMM_LOCK:
+                comm = self._comm
+                if comm is None:
+                    from distutils_ml.commthread import CommThread
+
+                    comm = self._comm = CommThread(self._entry, name=f"dml-comm-{self.rank}")
+        return comm
 
     def wait_for_comm_thread(self, *, errors: bool = True) -> None:
         """Return once every job queued on this backend's communication thread has run (at once if none was
@@ -140,15 +151,16 @@ class Backend(abc.ABC):
     def watched(self, kind: str, array: np.ndarray, op: ReduceOp | None) -> Iterator[None]:
         """Show a collective this backend does not make itself (one over a TCP ring, say) to its stall watchdog
         as one of its own while it runs (backends without a watchdog: nothing)."""
-        begin = getattr(self, "_begin", None)  # the MPI backend's in-flight record
-        if begin is None:
-            yield
-            return
-        begin(kind, array, op, -1)
-        try:
-            yield
-        finally:
-            self._inflight = None
+        yield
+
+    def duplicate(self) -> Backend:
+        """A new backend of this kind over a duplicate of this one's communicator: the same ranks, its own message
+        space (a collective on every rank, in the same order everywhere).
+
+        For a second thread that makes collectives of its own, or a transport's setup: its calls never pair up
+        with this backend's. Options (timeout, debug, segments, device) are this backend's.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot duplicate its communicator")
 
     def _check_call(  # noqa: B027 - optional: backends without a debug mode keep this no-op
         self, kind: str, shape: Any, dtype: str | None, op: ReduceOp | None, root: int
@@ -233,6 +245,9 @@ class Backend(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
+
+
+_COMM_LOCK = threading.Lock()
 
 
 def busy(backend: Backend, caller: str) -> RuntimeError:

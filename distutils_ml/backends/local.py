@@ -64,6 +64,7 @@ class _World:
         self.snapshot: tuple[Any, ...] = ()
         self.failure: tuple[int, BaseException] | None = None
         self.finished: set[int] = set()
+        self.duplicates: list[_World] = []  # worlds of duplicate backends: they learn of failures and exits too
 
     def _check_alive(self, rank: int, fingerprint: tuple) -> None:
         if self.failure is not None:
@@ -130,11 +131,24 @@ class _World:
             if self.failure is None:
                 self.failure = (rank, exc)
             self.cond.notify_all()
+            duplicates = list(self.duplicates)
+        for world in duplicates:
+            world.fail(rank, exc)
 
     def finish(self, rank: int) -> None:
         with self.cond:
             self.finished.add(rank)
             self.cond.notify_all()
+            duplicates = list(self.duplicates)
+        for world in duplicates:
+            world.finish(rank)
+
+    def duplicate(self) -> _World:
+        """A new world of the same size and options, told of this one's failures and exits."""
+        world = _World(self.size, self.stall_timeout, self.call_sites)
+        with self.cond:
+            self.duplicates.append(world)
+        return world
 
 
 def _fingerprint(kind: str, arr: np.ndarray | None, op: ReduceOp | None = None, root: int | None = None) -> tuple:
@@ -296,6 +310,18 @@ class LocalBackend(Backend):
         if world.failure is not None:
             raise world.failure[1]
         return results
+
+    def duplicate(self) -> LocalBackend:
+        """A new ``LocalBackend`` over a world of its own with the same ranks (a collective on every simulated rank)."""
+        if self._world is None:
+            return LocalBackend(timeout=self.timeout, debug=self.debug)
+        self._enter("duplicate")
+        try:
+            made = self._world.duplicate() if self._rank == 0 else None
+            world = self._exchange(made, _fingerprint("duplicate", None))[0]
+        finally:
+            self._leave()
+        return LocalBackend(_world=world, _rank=self._rank)
 
     # -- primitives ---------------------------------------------------------------
 

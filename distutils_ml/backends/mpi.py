@@ -247,6 +247,55 @@ class MPIBackend(Backend):
     def rank(self) -> int:
         return self._rank
 
+    def duplicate(self) -> MPIBackend:
+        """A new ``MPIBackend`` over ``comm.Dup()`` with this one's options (a collective on every rank)."""
+        self._enter("duplicate")
+        try:
+            self._begin("duplicate", None)
+            try:
+                comm = self.comm.Dup()
+            finally:
+                self._inflight = None
+        finally:
+            self._leave()
+        return MPIBackend(
+            comm,
+            segment_bytes=self.segment_bytes,
+            fail_fast=False,  # the process's hook is installed once, by the first backend
+            timeout=self.timeout,
+            gpu_aware=self.takes_device_buffers,
+            debug=self.debug,
+        )
+
+    @property
+    def MPI(self) -> Any:
+        """The ``mpi4py.MPI`` module this backend runs on."""
+        return self._MPI
+
+    @property
+    def calls_started(self) -> int:
+        """How many collectives this backend has started (the same count on every rank)."""
+        return self._seq
+
+    @property
+    def call_in_flight(self) -> tuple | None:
+        """``(seq, kind, shape, dtype, op, root, start)`` of the collective running now, or None."""
+        return self._inflight
+
+    @property
+    def recent_calls(self) -> tuple[tuple, ...]:
+        """The records of the last collectives started, oldest first (what the stall watchdog reports)."""
+        return tuple(self._history)
+
+    @contextlib.contextmanager
+    def watched(self, kind: str, array: np.ndarray, op: ReduceOp | None) -> Iterator[None]:
+        """Show a collective this backend does not make itself to the stall watchdog as one of its own."""
+        self._begin(kind, array, op, -1)
+        try:
+            yield
+        finally:
+            self._inflight = None
+
     @property
     def size(self) -> int:
         return self._size

@@ -266,6 +266,12 @@ class NCCLBackend(Backend):
 
     # -- host buffers and objects: the MPI backend ---------------------------------------
 
+    def duplicate(self) -> NCCLBackend:
+        """A new ``NCCLBackend`` on this rank's GPU, over a new NCCL communicator bootstrapped on a duplicate of
+        this one's MPI communicator (a collective on every rank)."""
+        with torch.cuda.device(self.device):
+            return NCCLBackend(mpi_backend=self.mpi.duplicate(), cuda_devices=False, share_device=self.share_device)
+
     def _allreduce(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, op: ReduceOp) -> None:
         self.mpi._allreduce(sendbuf, recvbuf, op)
 
