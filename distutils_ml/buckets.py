@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import abc
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,7 @@ __all__ = [
     "default_bucket_bytes",
     "default_overlap",
     "encode_order",
+    "in_reentrant_backward",
     "is_slice",
     "order_mismatch",
     "ring_array",
@@ -262,6 +264,26 @@ def order_error(caller: str, k: int, nb: int, names: list[str]) -> RuntimeError:
 
 # -- rounds -------------------------------------------------------------------------------------
 
+#: The code objects through which the autograd engine runs the backward of a node written in Python.
+_PYTHON_NODE_CODES = frozenset(
+    f.__code__
+    for f in (torch.autograd.function.BackwardCFunction.apply, torch.autograd.function.BackwardCFunction.apply_boxed)
+)
+
+
+def in_reentrant_backward() -> bool:
+    """Whether the calling thread runs inside the backward of an autograd node written in Python: a backward started
+    there (``torch.utils.checkpoint(..., use_reentrant=True)`` recomputes and runs one) is nested in an outer one.
+
+    Read from this thread's Python stack: the engine runs every Python node's backward through
+    ``BackwardCFunction.apply``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _PYTHON_NODE_CODES:
+            return True
+        frame = frame.f_back
+    return False
+
 
 @dataclass
 class Round:
@@ -277,6 +299,12 @@ class Round:
     ready: int = 0
     sent: int = 0
     events: list[tuple[torch.device, Any]] = field(default_factory=list)  # (device, CUDA event) per bucket
+    # backward(create_graph=True): per parameter, its gradient with autograd history, and the detached copy sent
+    # in its place (None: its values went through a flat bucket)
+    graphs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    skip: bool = False  # a backward that only accumulates (no_sync, backward_passes_per_step): nothing is sent
+    nested: bool = False  # hooks came from a backward run inside a node of this one (reentrant checkpointing)
+    deferred: bool = False  # the task that started it ended inside an outer backward, which finishes it
 
 
 class BucketMachine(abc.ABC):
@@ -298,7 +326,6 @@ class BucketMachine(abc.ABC):
 
     def _init_rounds(self) -> None:
         self._round: Round | None = None
-        self._skipped_task = -1  # the backward that skip said to leave unreduced
 
     # -- what a subclass says ---------------------------------------------------------------
 
@@ -342,7 +369,15 @@ class BucketMachine(abc.ABC):
         return Round(task, waiting, [-1] * nb, [False] * len(self._params), changed)
 
     def _reduce_now(self, backend: Backend) -> None:
-        """One round now, outside backward (one thread at a time: the round is several collectives)."""
+        """One round now, outside backward (one thread at a time: the round is several collectives).
+
+        A round a reentrant backward left open (its outermost backward had no hook of ours to end it) is
+        completed instead: its buckets, some perhaps sent already, go as they would have at its end.
+        """
+        state = self._round
+        if state is not None and state.deferred and not state.skip:
+            self._complete(backend, state)
+            return
         with exclusive(backend, self.caller):
             state = self._new_round(-1, self._begin(backend, now=True))
             self._flush(backend, state, overlap=False)
@@ -355,14 +390,12 @@ class BucketMachine(abc.ABC):
         task = torch._C._current_graph_task_id()
         state = self._round
         if state is not None and state.task != task:
-            self._second_backward()
+            state = self._other_task(backend, state, task)
         if state is None:
-            if self._skipped_task != task and self._skip_this_backward():  # decided once per backward
-                self._skipped_task = task
-            if self._skipped_task == task:
-                self._adopt(param)
-                return
             state = self._start(backend, task)
+        if state.skip:
+            self._adopt(param)
+            return
         i = self._index.get(id(param))
         if i is None or self._params[i] is not param:  # a parameter of another layout: the set changed
             state.changed = True
@@ -380,13 +413,38 @@ class BucketMachine(abc.ABC):
             state.ready += 1
             if self.overlap:
                 self._send_ready(backend, state)
+            if state.nested and state.ready == len(self._buckets):
+                # A reentrant backward may end where no hook of ours sees it: finish once every bucket is ready.
+                self._complete(backend, state)
 
     def _start(self, backend: Backend, task: int) -> Round:
-        """The first hook of a reducing backward: check the layout, queue the final callback."""
-        changed = self._begin(backend, now=False)
-        state = self._round = self._new_round(task, changed)
+        """The first hook of a backward: decide whether it reduces; if so check the layout. Queue the final callback."""
+        if self._skip_this_backward():  # decided once per backward
+            state = self._round = Round(task, [], [], [], skip=True)
+        else:
+            changed = self._begin(backend, now=False)
+            state = self._round = self._new_round(task, changed)
+        state.nested = in_reentrant_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         return state
+
+    def _other_task(self, backend: Backend, state: Round, task: int) -> Round | None:
+        """A hook of another autograd graph task than the open round's: the round it belongs to (None: a new one)."""
+        if in_reentrant_backward():  # run inside a node of a running backward (reentrant checkpointing)
+            state.nested = True
+            return state
+        if state.deferred and task < state.task:  # the backward around the reentrant one that opened the round
+            state.task, state.deferred = task, False
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            return state
+        if state.deferred:  # the backward that left it open has ended: it is complete
+            if state.skip:
+                self._round = None
+            else:
+                self._complete(backend, state)
+            return None
+        self._second_backward()
+        return None
 
     def _second_backward(self) -> None:
         state = self._round
@@ -405,6 +463,16 @@ class BucketMachine(abc.ABC):
         backend, state = self.backend, self._round
         if backend is None or state is None:
             return
+        if in_reentrant_backward():  # a backward inside a node of another: that one ends the round
+            state.deferred = True
+            return
+        if state.skip:
+            self._round = None
+            return
+        self._complete(backend, state)
+
+    def _complete(self, backend: Backend, state: Round) -> None:
+        """Send what is left, wait, finish the round (which ran during a backward)."""
         try:
             if self.overlap:
                 self._flush(backend, state, overlap=True)

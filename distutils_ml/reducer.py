@@ -43,7 +43,7 @@ from distutils_ml.collectives import allgather, allreduce
 from distutils_ml.objects import allgather_object, digest
 from distutils_ml.tcpring import TcpRing, ring_for
 
-__all__ = ["GradientReducer", "agree_on_settings", "ranks_text"]
+__all__ = ["GradientReducer", "ReducedValues", "agree_on_settings", "ranks_text"]
 
 _SETTINGS = ("op", "communication_dtype", "bucket_bytes", "parameters")
 _HALVES = (torch.float16, torch.bfloat16)
@@ -229,6 +229,10 @@ class GradientReducer(BucketMachine):
     # -- sending ---------------------------------------------------------------------------
 
     def _fill(self, state: Round, k: int) -> torch.Tensor:
+        with torch.no_grad():  # a gradient of backward(create_graph=True) has history: the reduction reads its values
+            return self._fill_bucket(state, k)
+
+    def _fill_bucket(self, state: Round, k: int) -> torch.Tensor:
         bucket = self._buckets[k]
         if bucket.direct:
             i = bucket.params[0]
@@ -238,6 +242,10 @@ class GradientReducer(BucketMachine):
             if g is None:
                 p.grad = g = torch.zeros_like(p)
                 state.allocated.append(i)
+            elif g.requires_grad:  # reduced in a copy: its history stays with the original (see _finish)
+                sent = g.detach().to_dense().contiguous().clone()
+                state.graphs[i] = (g, sent)
+                return sent
             elif g.layout != torch.strided:
                 p.grad = g = g.to_dense()
             elif not g.is_contiguous():
@@ -249,7 +257,11 @@ class GradientReducer(BucketMachine):
                 state.has[i] = g is not None
                 if g is None:
                     flat.zero_()
-                elif g.layout != torch.strided:
+                    continue
+                if g.requires_grad:
+                    state.graphs[i] = (g, None)
+                    g = g.detach()
+                if g.layout != torch.strided:
                     shaped.copy_(g.to_dense())
                 elif not is_slice(g, flat):
                     flat.copy_(g.reshape(-1))
@@ -290,9 +302,13 @@ class GradientReducer(BucketMachine):
         for i in state.allocated:
             if not somebody[i]:
                 self._params[i].grad = None
+        for i, (local, sent) in state.graphs.items():  # backward(create_graph=True)
+            reduced = sent if sent is not None else self._slot(i)
+            with torch.enable_grad():
+                self._params[i].grad = ReducedValues.apply(local, reduced.to(local.dtype))
         for bucket in self._buckets:
             for i, flat, shaped in bucket.slots:
-                if not somebody[i]:
+                if not somebody[i] or i in state.graphs:
                     continue
                 p = self._params[i]
                 g = p.grad
@@ -313,6 +329,10 @@ class GradientReducer(BucketMachine):
         if state.task >= 0:
             self._check_order(backend, head[n + 1 :].reshape(nb, 3))
 
+    def _slot(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s slice of its flat bucket, shaped like it."""
+        return next(shaped for j, _, shaped in self._buckets[self._bucket_of[i]].slots if j == i)
+
     def _check_order(self, backend: Backend, order: np.ndarray) -> None:
         """Raise on every rank if the buckets became ready in different orders (every rank's hooks fired)."""
         used = [k for k, b in enumerate(self._buckets) if b.params]  # not the header's own bucket
@@ -323,6 +343,20 @@ class GradientReducer(BucketMachine):
             k = used[int(np.flatnonzero(differs)[0])]
             labels = self._labels()
             raise order_error(self.caller, k, len(self._buckets), [labels[i] for i in self._buckets[k].params])
+
+
+class ReducedValues(torch.autograd.Function):
+    """The reduced values of a gradient that has autograd history (``backward(create_graph=True)``), with that history:
+    the value is ``reduced`` exactly; a backward through it goes into ``local``'s graph (torch DDP's behaviour: the
+    graph is this rank's own gradient's)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
+        return reduced.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 def _reduce(backend: Backend, ring: TcpRing | None, tensor: torch.Tensor, op: ReduceOp) -> None:

@@ -293,6 +293,16 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         view, g = self._views[i], param.grad
         if view is None or g is None or _is_view(g, view):
             return
+        if g.requires_grad:
+            self._reset_round()
+            raise RuntimeError(
+                "DistributedOptimizer(shard_state=True): the gradient of a parameter has autograd history "
+                "(backward(create_graph=True)); with shard_state=True each rank holds the reduced gradient of its "
+                "own shard only, so a graph through the averaged gradient cannot be given. For a gradient penalty, "
+                "compute it with torch.autograd.grad(loss, params, create_graph=True) and call an ordinary "
+                "backward() on the total loss (that works with either form); or use shard_state=False, whose "
+                "gradients keep their history"
+            )
         with torch.no_grad():
             view.copy_(g.to_dense() if g.layout != torch.strided else g)
         param.grad = view

@@ -1,0 +1,213 @@
+"""Bodies for what DDP users do (issue 22): double backward, gradient penalties, activation checkpointing.
+
+Each body runs on every rank, on ``LocalBackend.spawn`` (tests/test_buckets.py) and under mpiexec
+(tests/habits_job.py), and compares with a reference every rank computes alone: one process on the whole
+batch, or the same model without checkpointing. Models are built from explicit generators (threads of
+simulated ranks share torch's global generator).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import strategies as st
+from torch.utils.checkpoint import checkpoint
+
+import distutils_ml as dml
+
+FORMS = ("plain", "sharded")
+
+
+def _init(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+    return module
+
+
+def _wrap(
+    backend: dml.Backend, model: torch.nn.Module, form: str, overlap: bool, **options
+) -> dml.DistributedOptimizer:
+    inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return dml.DistributedOptimizer(backend, inner, shard_state=form == "sharded", overlap=overlap, **options)
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+# -- backward(create_graph=True) ----------------------------------------------------------------------------
+
+
+class _Square(torch.nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.ones(n))
+
+    def forward(self) -> torch.Tensor:
+        return self.p.pow(2).sum()
+
+
+def create_graph_body(backend: dml.Backend, overlap: bool) -> int:
+    """torch's test_ddp_create_graph: six backward(create_graph=True) passes accumulate 2p each, so .grad is 12, and
+    it keeps its history; for a small parameter (a flat bucket) and a large one (reduced alone). The sharded form
+    refuses, on every rank, before anything is reduced."""
+    checked = 0
+    for n, bucket_bytes in ((1, None), (70_000, 0)):
+        model = _Square(n)
+        opt = _wrap(backend, model, "plain", overlap, bucket_bytes=bucket_bytes)
+        for _ in range(6):
+            model().backward(create_graph=True)
+            assert model.p.requires_grad and model.p.grad.requires_grad
+        assert torch.equal(model.p.grad.detach(), torch.full((n,), 12.0)), model.p.grad
+        # the history is the local gradient's: d/dp sum(grad) = 6 * 2 on every element
+        (second,) = torch.autograd.grad(model.p.grad.sum(), model.p)
+        assert torch.equal(second, torch.full((n,), 12.0)), second
+        opt.zero_grad()
+        checked += 1
+    model = _Square(4)
+    opt = _wrap(backend, model, "sharded", overlap)
+    with pytest.raises(RuntimeError, match=r"create_graph=True.*torch\.autograd\.grad"):
+        model().backward(create_graph=True)
+    opt.zero_grad()
+    model().backward()  # the wrapper still works after the refusal
+    opt.step()
+    return checked + 1
+
+
+# -- gradient penalties --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PenaltyCase:
+    form: str
+    overlap: bool
+    via: str  # "autograd.grad": the input-gradient penalty; "create_graph": a penalty on the parameters' .grad
+    seed: int
+
+
+def penalty_cases() -> st.SearchStrategy[PenaltyCase]:
+    plain = st.builds(
+        PenaltyCase,
+        st.just("plain"),
+        st.booleans(),
+        st.sampled_from(("autograd.grad", "create_graph")),
+        st.integers(0, 99),
+    )
+    sharded = st.builds(PenaltyCase, st.just("sharded"), st.booleans(), st.just("autograd.grad"), st.integers(0, 99))
+    return st.one_of(plain, sharded)
+
+
+def _critic(seed: int) -> torch.nn.Module:
+    net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    return _init(net, seed)
+
+
+def _penalty_loss(model: torch.nn.Module, x: torch.Tensor, via: str) -> torch.Tensor | None:
+    """The loss whose backward() the step takes; for ``create_graph``, after a first backward of its own."""
+    if via == "autograd.grad":  # WGAN-GP: per-sample input-gradient norms, penalized towards 1
+        x = x.detach().requires_grad_(True)
+        out = model(x)
+        (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        return out.mean() + ((gx.norm(dim=1) - 1) ** 2).mean()
+    model(x).pow(2).mean().backward(create_graph=True)
+    return sum(p.grad.pow(2).sum() for p in model.parameters())
+
+
+def penalty_body(backend: dml.Backend, case: PenaltyCase) -> None:
+    """Training with a gradient penalty equals one process on the whole batch (float64, three steps)."""
+    w, rank, rows = backend.size, backend.rank, 4
+    model = _critic(case.seed)
+    ref = _critic(case.seed)
+    opt = _wrap(backend, model, case.form, case.overlap)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(1000 + case.seed)
+    for _ in range(3):
+        batch = torch.randn(w * rows, 3, generator=gen, dtype=torch.float64)
+        opt.zero_grad()
+        _penalty_loss(model, batch[rank * rows : (rank + 1) * rows], case.via).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        if case.via == "autograd.grad":
+            _penalty_loss(ref, batch, case.via).backward()
+        else:  # one process: the mean over the whole batch is the average of the ranks' means
+            _penalty_loss(ref, batch, case.via).backward()
+        ref_opt.step()
+    got, want = _flat(model), _flat(ref)
+    assert torch.allclose(got, want, rtol=1e-9, atol=1e-11), (case, (got - want).abs().max())
+    every = dml.allgather_object(backend, got)
+    assert all(torch.equal(other, got) for other in every), "ranks differ"
+
+
+# -- activation checkpointing --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointCase:
+    form: str
+    overlap: bool
+    reentrant: bool
+    where: str  # which layers are checkpointed: "first" two, "middle" one, "last" one, "all" (every layer)
+    bucket_bytes: int | None
+
+
+def checkpoint_cases() -> st.SearchStrategy[CheckpointCase]:
+    return st.builds(
+        CheckpointCase,
+        st.sampled_from(FORMS),
+        st.booleans(),
+        st.booleans(),
+        st.sampled_from(("first", "middle", "last", "all")),
+        st.sampled_from((None, 0, 64)),
+    )
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, where: str | None, reentrant: bool) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in ((5, 8), (8, 8), (8, 6), (6, 1)))
+        self.where, self.reentrant = where, reentrant
+
+    def _run(self, lo: int, hi: int, h: torch.Tensor) -> torch.Tensor:
+        for k in range(lo, hi):
+            h = self.layers[k](h)
+            if k < len(self.layers) - 1:
+                h = torch.tanh(h)
+        return h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spans = {None: [], "first": [(0, 2)], "middle": [(1, 2)], "last": [(3, 4)], "all": [(0, 1), (1, 3), (3, 4)]}
+        h, at = x, 0
+        for lo, hi in spans[self.where]:
+            h = self._run(at, lo, h)
+            if self.reentrant and not h.requires_grad:
+                h = h.detach().requires_grad_(True)  # reentrant checkpoint needs an input that requires grad
+            h = checkpoint(self._run, lo, hi, h, use_reentrant=self.reentrant)
+            at = hi
+        return self._run(at, len(self.layers), h)
+
+
+def checkpoint_body(backend: dml.Backend, case: CheckpointCase) -> None:
+    """Checkpointed training (reentrant or not, any placement) equals the same model without checkpointing."""
+    rank, rows = backend.rank, 3
+    results = []
+    for where in (case.where, None):
+        model = _init(_Net(where, case.reentrant).double(), 7)
+        opt = _wrap(backend, model, case.form, case.overlap, bucket_bytes=case.bucket_bytes)
+        gen = torch.Generator().manual_seed(31 + rank)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(rows, 5, generator=gen, dtype=torch.float64)).pow(2).mean().backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            opt.step()
+        results.append((_flat(model), grads))
+    (got, got_grads), (want, want_grads) = results
+    if case.form == "plain":  # after backward every .grad is the average (the sharded form: this rank's shard only)
+        for g, h in zip(got_grads, want_grads, strict=True):
+            assert torch.allclose(g, h, rtol=1e-12, atol=1e-14), (case, (g - h).abs().max())
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-14), (case, (got - want).abs().max())
+    every = dml.allgather_object(backend, got)
+    assert all(torch.equal(other, got) for other in every), "ranks differ"

@@ -1,0 +1,36 @@
+"""The MPI job of tests/test_buckets.py: ``mpiexec -n N python tests/habits_job.py [CHECK...]``.
+
+Every rank runs the bodies of tests/habits_bodies.py that LocalBackend runs too. Rank 0 ends with
+``HABITS CHECKS PASSED``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import signal
+import sys
+import warnings
+
+import distutils_ml as dml
+
+import habits_bodies
+from mpi_main import guarded, hypothesis_check, run_checks
+
+
+def main(names: list[str]) -> None:
+    faulthandler.register(signal.SIGUSR1)  # the test runner asks for stacks before killing a hung job
+    warnings.filterwarnings("ignore", message="Using backward\\(\\) with create_graph=True")
+    dml.initialize(dml.MPIBackend)
+    world = dml.get_distributed_backend(dml.MPIBackend)
+    checks = {
+        "create_graph": lambda: [guarded(habits_bodies.create_graph_body, world, o) for o in (False, True)],
+        "penalty": lambda: hypothesis_check(world, habits_bodies.penalty_body, habits_bodies.penalty_cases(), 8),
+        "checkpoint": lambda: hypothesis_check(
+            world, habits_bodies.checkpoint_body, habits_bodies.checkpoint_cases(), 16
+        ),
+    }
+    run_checks(world, names or list(checks), "HABITS CHECKS PASSED", lambda name: checks[name]())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
