@@ -132,8 +132,10 @@ def _check_generic(data: Any, where: str) -> None:
         )
     if isinstance(data, torch.utils.data.IterableDataset):
         raise TypeError(
-            f"{where}: got the IterableDataset {type(data).__qualname__}, which has no random access; "
-            f"allowed: {_ALLOWED_DATA}"
+            f"{where}: got the IterableDataset {type(data).__qualname__}, which has no random access, so "
+            f"DistributedDataContainer cannot partition it by index; allowed: {_ALLOWED_DATA}. Fix: split the stream "
+            "instead: share = dml.split_iterable(backend, dataset), then DataLoader(share, batch_size=...); every rank "
+            "reads the whole stream and keeps its own items (docs/data.md, Streaming data: IterableDataset)"
         )
     kind = type(data)
     missing = [m for m in ("__len__", "__getitem__") if not hasattr(kind, m)]

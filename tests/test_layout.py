@@ -55,6 +55,7 @@ LAYER = {
     "distutils_ml.observations": "training",
     "distutils_ml.data": "training",
     "distutils_ml.evaluation": "training",
+    "distutils_ml.streams": "training",
     "distutils_ml.rng": "training",
     "distutils_ml.checkpoint": "training",
     # faces: the public API, and the launcher (a program of its own)
