@@ -33,6 +33,7 @@ from distutils_ml.rng import rng_state, rng_state_all, set_rng_state, set_rng_st
 from distutils_ml.sharded import ShardedOptimizer
 from distutils_ml.streams import split_iterable
 from distutils_ml.synchronize import synchronize
+from distutils_ml.uneven import join
 from distutils_ml.watchdog import CollectiveMismatchError, StallError
 
 SUM = ReduceOp.SUM
@@ -78,6 +79,7 @@ __all__ = [
     "getobs",
     "initialize",
     "initialized",
+    "join",
     "load",
     "local_rank",
     "numobs",

@@ -23,6 +23,7 @@ import torch
 from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
 from distutils_ml.collectives import allgather, allreduce
 from distutils_ml.objects import allgather_object
+from distutils_ml.uneven import joined_ranks_send_zeros
 
 __all__ = ["SyncBatchNorm", "allreduce_autograd", "convert_sync_batchnorm"]
 
@@ -220,7 +221,8 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         staged = row.device.type != "cpu" and not self.backend.takes_device_buffers
         if staged:
             row = row.cpu()
-        table = allgather(self.backend, row, row.new_empty(self.backend.size, 2 * c + 2))
+        with joined_ranks_send_zeros():  # dml.join: a rank without data contributes a count of zero
+            table = allgather(self.backend, row, row.new_empty(self.backend.size, 2 * c + 2))
         head = table[:, :2].tolist()
         n = sum(int(k) for k, _ in head)
         if any(flag for _, flag in head):

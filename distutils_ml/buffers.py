@@ -42,6 +42,15 @@ class BufferBroadcast:
         self._has_buffers = self._sync(send=False)  # agreed on every rank
         self._hooks = [module.register_forward_pre_hook(self._pre_forward), module.register_forward_hook(self._post)]
 
+    @property
+    def root(self) -> int:
+        """The rank whose buffers are broadcast (``dml.join`` moves it to a rank that still has data)."""
+        return self._root
+
+    @root.setter
+    def root(self, value: int) -> None:
+        self._root = check_root(self._backend, value)
+
     def remove(self) -> None:
         """Stop broadcasting the module's buffers (removes both forward hooks)."""
         for hook in self._hooks:

@@ -104,6 +104,8 @@ class GradientReducer(BucketMachine):
         self.skip: Callable[[], bool] = lambda: False
         #: called after each reduction that ran during a backward
         self.on_reduced: Callable[[], None] = lambda: None
+        #: every reduced gradient is multiplied by this (dml.join: W / the number of ranks that had data)
+        self.scale = 1.0
 
     def use(self, params: Callable[[], list[torch.Tensor]], labels: Callable[[], list[str]]) -> None:
         """Take the parameters (and their names for messages) from ``params()`` and ``labels()`` from now on."""
@@ -299,6 +301,8 @@ class GradientReducer(BucketMachine):
         n, nb = len(self._params), len(self._buckets)
         head = head_bucket.flat[: head_bucket.head].double().cpu().numpy()
         somebody = head[:n] > 0
+        if self.scale != 1.0:
+            self._rescale(state)
         for i in state.allocated:
             if not somebody[i]:
                 self._params[i].grad = None
@@ -328,6 +332,19 @@ class GradientReducer(BucketMachine):
             )
         if state.task >= 0:
             self._check_order(backend, head[n + 1 :].reshape(nb, 3))
+
+    def _rescale(self, state: Round) -> None:
+        """Multiply every reduced gradient by ``scale`` (dml.join: an average over the ranks that had data)."""
+        with torch.no_grad():
+            for bucket in self._buckets:
+                if bucket.direct:
+                    i = bucket.params[0]
+                    graph = state.graphs.get(i)
+                    target = graph[1] if graph is not None else self._params[i].grad
+                    if target is not None:
+                        target.mul_(self.scale)
+                elif bucket.flat is not None:
+                    bucket.flat[bucket.head :].mul_(self.scale)
 
     def _slot(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s slice of its flat bucket, shaped like it."""

@@ -52,6 +52,7 @@ LAYER = {
     "distutils_ml.sharded_clip": "training",
     "distutils_ml.sharded": "training",
     "distutils_ml.batchnorm": "training",
+    "distutils_ml.uneven": "training",
     "distutils_ml.observations": "training",
     "distutils_ml.data": "training",
     "distutils_ml.evaluation": "training",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import enum
+import functools
 import operator
 import pickle
 import re
@@ -20,7 +21,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-__all__ = ["Backend", "ReduceOp", "busy", "check_backend", "resolve_op"]
+__all__ = ["OBSERVED", "Backend", "ReduceOp", "busy", "check_backend", "resolve_op"]
 
 
 class ReduceOp(enum.Enum):
@@ -153,6 +154,20 @@ class Backend(abc.ABC):
         as one of its own while it runs (backends without a watchdog: nothing)."""
         yield
 
+    def observe(self, observer: Callable[..., Any] | None) -> None:
+        """Route this backend's primitive calls through ``observer(name, original, *args)`` (None: stop).
+
+        ``name`` is the primitive (``"_allreduce"``, ..., and ``"_check_call"``, the debug-mode comparison),
+        ``original`` the bound primitive, which ``observer`` calls (or not) and whose result it returns. For
+        layers that must see every message this backend sends in order (``dml.join``); one observer at a time.
+        """
+        for name in OBSERVED:
+            if observer is None:
+                self.__dict__.pop(name, None)
+            else:
+                original = getattr(type(self), name).__get__(self)
+                setattr(self, name, functools.partial(observer, name, original))
+
     def duplicate(self) -> Backend:
         """A new backend of this kind over a duplicate of this one's communicator: the same ranks, its own message
         space (a collective on every rank, in the same order everywhere).
@@ -248,6 +263,20 @@ class Backend(abc.ABC):
 
 
 _COMM_LOCK = threading.Lock()
+
+#: The calls :meth:`Backend.observe` routes: every primitive that sends, and the debug-mode comparison.
+OBSERVED = (
+    "_allreduce",
+    "_bcast",
+    "_reduce",
+    "_allgather",
+    "_reduce_scatter",
+    "_barrier",
+    "_bcast_bytes",
+    "_allgather_bytes",
+    "_device_collective",
+    "_check_call",
+)
 
 
 def busy(backend: Backend, caller: str) -> RuntimeError:

@@ -1,0 +1,114 @@
+"""Bodies of tests/test_join.py (dml.join, uneven inputs), run on simulated ranks and under mpiexec (tests/join_job.py).
+
+Rank r trains on ``batches[r]`` batches. The reference, computed alone on every rank: one process that, at
+iteration t, averages the losses of the ranks that still have a batch t and steps on that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import strategies as st
+
+import distutils_ml as dml
+
+
+@dataclass(frozen=True)
+class JoinCase:
+    batches: tuple[int, ...]  # per rank; the world size is its length
+    overlap: bool
+    batchnorm: bool  # a SyncBatchNorm layer and rank 0's buffers broadcast before each forward
+    bucket_bytes: int | None
+
+
+def join_cases(world: int | None = None) -> st.SearchStrategy[JoinCase]:
+    sizes = st.integers(1, 4) if world is None else st.just(world)
+    return sizes.flatmap(
+        lambda w: st.builds(
+            JoinCase,
+            st.lists(st.integers(0, 4), min_size=w, max_size=w).filter(any).map(tuple),
+            st.booleans(),
+            st.booleans(),
+            st.sampled_from((None, 0)),
+        )
+    )
+
+
+def _model(batchnorm: bool) -> torch.nn.Module:
+    layers = [torch.nn.Linear(3, 6)]
+    if batchnorm:
+        layers.append(torch.nn.BatchNorm1d(6))
+    layers += [torch.nn.Tanh(), torch.nn.Linear(6, 1)]
+    model = torch.nn.Sequential(*layers).double()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+    return model
+
+
+def _batch(rank: int, t: int) -> torch.Tensor:
+    return torch.randn(4, 3, generator=torch.Generator().manual_seed(100 * rank + t), dtype=torch.float64)
+
+
+def _reference(case: JoinCase) -> torch.nn.Module:
+    """One process: at iteration t, the ranks with a batch t; BatchNorm over all their rows together."""
+    model = _model(case.batchnorm)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for t in range(max(case.batches)):
+        have = [r for r, n in enumerate(case.batches) if n > t]
+        opt.zero_grad()
+        if case.batchnorm:  # SyncBatchNorm: statistics over every row of every rank with data
+            out = model(torch.cat([_batch(r, t) for r in have]))
+            losses = out.pow(2).view(len(have), -1).mean(dim=1)
+        else:
+            losses = torch.stack([model(_batch(r, t)).pow(2).mean() for r in have])
+        losses.mean().backward()
+        opt.step()
+    return model
+
+
+def join_body(backend: dml.Backend, case: JoinCase) -> None:
+    rank = backend.rank
+    model = _model(case.batchnorm)
+    if case.batchnorm:
+        model = dml.convert_sync_batchnorm(backend, model)
+    opt = dml.DistributedOptimizer(
+        backend,
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        overlap=case.overlap,
+        bucket_bytes=case.bucket_bytes,
+    )
+    handles = [dml.broadcast_buffers(backend, model)] if case.batchnorm else []
+    with dml.join(backend, opt, model, *handles):
+        for t in range(case.batches[rank]):
+            opt.zero_grad()
+            model(_batch(rank, t)).pow(2).mean().backward()
+            opt.step()
+    want = _reference(case)
+    for (name, got), ref in zip(model.state_dict().items(), want.state_dict().values(), strict=True):
+        if got.dtype.is_floating_point:
+            assert torch.allclose(got, ref, rtol=1e-10, atol=1e-12), (case, name, (got - ref).abs().max())
+    every = dml.allgather_object(backend, [t.clone() for t in model.state_dict().values()])
+    assert all(torch.equal(a, b) for other in every for a, b in zip(other, every[0], strict=True)), "ranks differ"
+    # the wrapper works as before after the block
+    opt.zero_grad()
+    model(_batch(rank, 99)).pow(2).mean().backward()
+    opt.step()
+
+
+def refusals_body(backend: dml.Backend) -> None:
+    """Bad joinables raise TypeError on every rank before any communication."""
+    model = torch.nn.Linear(2, 1)
+    sharded = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1), shard_state=True)
+    with pytest.raises(TypeError, match="shard_state=True"):
+        dml.join(backend, sharded)
+    with pytest.raises(TypeError, match=r"pass the loop's dml\.DistributedOptimizer"):
+        dml.join(backend, model)
+    with pytest.raises(TypeError, match=r"allowed: the dml\.DistributedOptimizer"):
+        dml.join(backend, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="backend"):
+        dml.join(None, model)
+    dml.barrier(backend)

@@ -1,0 +1,28 @@
+"""The MPI job of tests/test_join.py: ``mpiexec -n N python tests/join_job.py``; rank 0 ends with
+``JOIN CHECKS PASSED``."""
+
+from __future__ import annotations
+
+import faulthandler
+import signal
+import sys
+
+import distutils_ml as dml
+
+import join_bodies
+from mpi_main import guarded, hypothesis_check, run_checks
+
+
+def main(names: list[str]) -> None:
+    faulthandler.register(signal.SIGUSR1)  # the test runner asks for stacks before killing a hung job
+    dml.initialize(dml.MPIBackend)
+    world = dml.get_distributed_backend(dml.MPIBackend)
+    checks = {
+        "uneven": lambda: hypothesis_check(world, join_bodies.join_body, join_bodies.join_cases(world.size), 12),
+        "refusals": lambda: guarded(join_bodies.refusals_body, world),
+    }
+    run_checks(world, names or list(checks), "JOIN CHECKS PASSED", lambda name: checks[name]())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

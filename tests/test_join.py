@@ -1,0 +1,54 @@
+"""dml.join (distutils_ml/uneven.py): ranks with different numbers of batches train to the result of one process that
+averages, at each iteration, the ranks that still have data; with SyncBatchNorm and buffer broadcasts, overlap on
+and off; on 1-4 simulated ranks and under mpiexec with 2 and 3 ranks. Without the context the stall report stays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+import distutils_ml as dml
+from distutils_ml.backends.local import RankFailedError
+
+import join_bodies
+from mpirun import requires_mpi, run_mpi
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=join_bodies.join_cases())
+def test_uneven_inputs_train_as_one_process(case: join_bodies.JoinCase) -> None:
+    dml.LocalBackend.spawn(len(case.batches), join_bodies.join_body, case, timeout=60)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("batchnorm", [False, True])
+def test_a_rank_without_any_batch(overlap: bool, batchnorm: bool) -> None:
+    case = join_bodies.JoinCase((0, 3, 1), overlap, batchnorm, None)
+    dml.LocalBackend.spawn(3, join_bodies.join_body, case, timeout=60)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_refusals(world: int) -> None:
+    dml.LocalBackend.spawn(world, join_bodies.refusals_body, timeout=60)
+
+
+def test_without_join_the_stall_is_reported() -> None:
+    def body(backend: dml.Backend) -> None:
+        model = torch.nn.Linear(2, 1)
+        opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1))
+        for _ in range(1 + backend.rank):
+            opt.zero_grad()
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+
+    with pytest.raises(RankFailedError, match=r"rank\(s\) \[0\] already returned from fn"):
+        dml.LocalBackend.spawn(2, body, timeout=60)
+
+
+@requires_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_join_under_mpiexec(ranks: int) -> None:
+    job = run_mpi(ranks, ["tests/join_job.py"], timeout=300)
+    assert job.returncode == 0, job.output[-8000:]
+    assert "JOIN CHECKS PASSED" in job.output, job.output[-8000:]
