@@ -9,6 +9,7 @@ Backend-first functions in the style of Lux.jl's ``DistributedUtils``::
     dml.allreduce(backend, grads, dml.AVG)
 """
 
+from distutils_ml.amp import ShardedGradScaler
 from distutils_ml.backends.base import Backend, ReduceOp
 from distutils_ml.backends.local import LocalBackend
 from distutils_ml.backends.mpi import MPIBackend
@@ -59,6 +60,7 @@ __all__ = [
     "MPIBackend",
     "NCCLBackend",
     "ReduceOp",
+    "ShardedGradScaler",
     "ShardedOptimizer",
     "StallError",
     "SyncBatchNorm",

@@ -85,7 +85,8 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
 
     - After ``backward()`` only this rank's shard of each ``.grad`` is the reduced one;
       the rest holds this rank's own gradients. Clip with :meth:`clip_grad_norm_`, not
-      ``torch.nn.utils.clip_grad_norm_``. ``torch.amp.GradScaler`` is refused.
+      ``torch.nn.utils.clip_grad_norm_``. Scale fp16 losses with ``dml.ShardedGradScaler``
+      (``torch.amp.GradScaler`` is refused: its inf/NaN check is each rank's own).
     - ``state_dict(to=0)`` is a collective (every rank calls it): rank ``to`` gets the full,
       unsharded state in torch's format, on the CPU, loadable by any world size and by the
       unsharded optimizer; the other ranks get None (``to=None``: every rank gets it).
@@ -120,7 +121,8 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         >>> opt.step()  # this rank's shard stepped, the parameters allgathered
     """
 
-    # GradScaler then calls step() whatever it found, and step() refuses it on every rank alike.
+    # torch.amp.GradScaler then calls step() whatever it found, and step() refuses it on every rank alike;
+    # dml.ShardedGradScaler never takes that path (it decides across ranks, then calls step() or not).
     _step_supports_amp_scaling = True
     _form = "ShardedOptimizer"
     caller = "DistributedOptimizer"
@@ -500,8 +502,9 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
             raise TypeError(
                 "DistributedOptimizer(shard_state=True): torch.amp.GradScaler is not supported: its inf/NaN check "
                 "reads every .grad on each rank, and with sharded state only this rank's shard of .grad is reduced, "
-                "so ranks could disagree about skipping a step. Train with bfloat16 autocast (no scaler needed), or "
-                "use shard_state=False"
+                "so ranks could disagree about skipping a step. Use dml.ShardedGradScaler(backend, ...) in its place "
+                "(every rank then skips the same steps), train with bfloat16 autocast (no scaler needed), or use "
+                "shard_state=False"
             )
         return super().step(closure)
 

@@ -51,6 +51,7 @@ LAYER = {
     "distutils_ml.sharded_state": "training",
     "distutils_ml.sharded_clip": "training",
     "distutils_ml.sharded": "training",
+    "distutils_ml.amp": "training",
     "distutils_ml.batchnorm": "training",
     "distutils_ml.uneven": "training",
     "distutils_ml.observations": "training",
