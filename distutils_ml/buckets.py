@@ -402,6 +402,8 @@ class BucketMachine(abc.ABC):
             return
         self._adopt(param)
         if i in state.fired:
+            if 0 <= self._bucket_of[i] < state.sent:
+                self._twice(i)
             return
         state.fired.add(i)
         k = self._bucket_of[i]
@@ -445,6 +447,16 @@ class BucketMachine(abc.ABC):
             return None
         self._second_backward()
         return None
+
+    def _twice(self, i: int) -> None:
+        """A gradient added to a parameter whose bucket this backward already sent: raise (on every rank alike)."""
+        self._reset_round()
+        raise RuntimeError(
+            f"{self.caller}: parameter {i} received a second gradient in one backward after its bucket was sent "
+            "(it is used both inside and outside a block checkpointed with use_reentrant=True, whose nested "
+            "backward adds to it later); that gradient would be lost. Checkpoint with use_reentrant=False, or "
+            "create the optimizer with overlap=False (buckets then leave at the end of backward)"
+        )
 
     def _second_backward(self) -> None:
         state = self._round

@@ -211,3 +211,41 @@ def checkpoint_body(backend: dml.Backend, case: CheckpointCase) -> None:
     assert torch.allclose(got, want, rtol=1e-12, atol=1e-14), (case, (got - want).abs().max())
     every = dml.allgather_object(backend, got)
     assert all(torch.equal(other, got) for other in every), "ranks differ"
+
+
+class _Shared(torch.nn.Module):
+    """One layer used inside a reentrant-checkpointed block and again outside it."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.inner, self.head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        block = lambda t: torch.tanh(self.inner(t))  # noqa: E731
+        h = checkpoint(block, x, use_reentrant=True) if self.checkpointed else block(x)
+        return self.head(torch.tanh(self.inner(h)))
+
+
+def shared_across_body(backend: dml.Backend, form: str, overlap: bool) -> str:
+    """A parameter used inside and outside a reentrant block: at the end of backward (overlap off) its two gradients
+    are reduced together, as without checkpointing; with overlap its bucket may have gone: every rank raises."""
+    results = []
+    for checkpointed in (True, False):
+        model = _init(_Shared(checkpointed).double(), 5)
+        opt = _wrap(backend, model, form, overlap)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(backend.rank), dtype=torch.float64)
+        x.requires_grad_(True)
+        try:
+            for _ in range(2):
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+        except RuntimeError as err:
+            assert overlap and checkpointed and "second gradient in one backward" in str(err), err
+            opt.zero_grad()
+            return "refused"
+        results.append(_flat(model))
+    assert not overlap
+    assert torch.allclose(results[0], results[1], rtol=1e-12, atol=1e-14), (results[0] - results[1]).abs().max()
+    return "equal"

@@ -25,6 +25,9 @@ def main(names: list[str]) -> None:
     checks = {
         "create_graph": lambda: [guarded(habits_bodies.create_graph_body, world, o) for o in (False, True)],
         "penalty": lambda: hypothesis_check(world, habits_bodies.penalty_body, habits_bodies.penalty_cases(), 8),
+        "shared": lambda: [
+            guarded(habits_bodies.shared_across_body, world, form, o) for form in habits_bodies.FORMS for o in (0, 1)
+        ],
         "checkpoint": lambda: hypothesis_check(
             world, habits_bodies.checkpoint_body, habits_bodies.checkpoint_cases(), 16
         ),

@@ -48,6 +48,13 @@ def test_every_reentrant_placement_both_forms_and_overlaps(form: str, where: str
         dml.LocalBackend.spawn(2, habits_bodies.checkpoint_body, case, timeout=60)
 
 
+@pytest.mark.parametrize("form", habits_bodies.FORMS)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_parameter_inside_and_outside_a_reentrant_block(form: str, overlap: bool) -> None:
+    got = dml.LocalBackend.spawn(2, habits_bodies.shared_across_body, form, overlap, timeout=60)
+    assert got == ["refused" if overlap else "equal"] * 2
+
+
 def test_reentrant_detection() -> None:
     seen = []
 
