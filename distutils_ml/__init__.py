@@ -32,6 +32,7 @@ from distutils_ml.printing import print
 from distutils_ml.registry import get_distributed_backend, initialize, initialized, local_rank, total_workers
 from distutils_ml.rng import rng_state, rng_state_all, set_rng_state, set_rng_state_all
 from distutils_ml.sharded import ShardedOptimizer
+from distutils_ml.sparse import sparse_allreduce
 from distutils_ml.streams import split_iterable
 from distutils_ml.synchronize import synchronize
 from distutils_ml.uneven import join
@@ -93,6 +94,7 @@ __all__ = [
     "save",
     "set_rng_state",
     "set_rng_state_all",
+    "sparse_allreduce",
     "split_iterable",
     "synchronize",
     "total_workers",

@@ -34,6 +34,7 @@ LAYER = {
     "distutils_ml.collectives": "collectives",
     "distutils_ml.objects": "collectives",
     "distutils_ml.printing": "collectives",
+    "distutils_ml.sparse": "collectives",
     # state: root's state in every replica
     "distutils_ml.tree": "state",
     "distutils_ml.agreement": "state",
