@@ -1,0 +1,54 @@
+"""A ``torch.compile``d model trained by DistributedOptimizer, both forms, overlap on and off: equal to the
+eager model and compiled once, on LocalBackend.spawn and under mpiexec (tests/compile_job.py has the bodies).
+
+The compiler is torch.compile's default, inductor, as a user runs it: it needs a C++ compiler, which the
+CI image has (gcc). A cold compile of one small model takes about 10-20 s on 2 cores; its kernels are
+then cached on disk (``/tmp/torchinductor_$USER``), so the MPI jobs after the LocalBackend tests mostly
+load them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from compile_job import CASES, Case, compare_body, graphs, name
+
+import distutils_ml as dml
+
+from mpirun import requires_mpi, run_mpi
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_compiled_code() -> Iterator[None]:
+    """Leave no compiled code (or its guards on this module's models) to the tests after these."""
+    yield
+    torch._dynamo.reset()
+
+
+def test_the_graph_count_sees_a_recompilation() -> None:
+    """The count the cases rely on goes up when Dynamo compiles again (here: a new input shape)."""
+    torch._dynamo.reset()
+    double = torch.compile(lambda x: x * 2, backend="eager")
+    before = graphs()
+    double(torch.ones(2))
+    double(torch.ones(2))
+    assert graphs() == before + 1
+    double(torch.ones(3))
+    assert graphs() == before + 2
+
+
+@pytest.mark.parametrize("case", CASES, ids=name)
+def test_compiled_model_trains_as_eager_on_local(case: Case) -> None:
+    torch._dynamo.reset()  # this case compiles afresh; the ranks are threads of this process
+    results = dml.LocalBackend.spawn(2, compare_body, case, timeout=200)
+    assert all(r["graphs"] >= 1 for r in results), results  # the checks ran on a compiled model
+
+
+@requires_mpi
+@pytest.mark.parametrize("world", [2, 3])
+def test_compiled_model_trains_as_eager_under_mpi(world: int) -> None:
+    job = run_mpi(world, ["tests/compile_job.py"], timeout=240)
+    assert job.returncode == 0, job.output[-12000:]
+    assert f"COMPILE CHECKS PASSED: {' '.join(map(name, CASES))} on {world} ranks" in job.output, job.output
