@@ -302,6 +302,8 @@ class Round:
     # backward(create_graph=True): per parameter, its gradient with autograd history, and the detached copy sent
     # in its place (None: its values went through a flat bucket)
     graphs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    sparse_seen: set[int] = field(default_factory=set)  # parameters with a sparse gradient in a dense bucket here
+    sparse: dict[int, torch.Tensor | None] = field(default_factory=dict)  # reduced sparse gradients (None: nobody's)
     skip: bool = False  # a backward that only accumulates (no_sync, backward_passes_per_step): nothing is sent
     nested: bool = False  # hooks came from a backward run inside a node of this one (reentrant checkpointing)
     deferred: bool = False  # the task that started it ended inside an outer backward, which finishes it
@@ -357,7 +359,7 @@ class BucketMachine(abc.ABC):
     def _adopt(self, param: torch.Tensor) -> None:  # noqa: B027 - optional: layouts that own .grad override it
         """A hook saw ``param.grad`` (its layout may take it in)."""
 
-    def _close(self, state: Round) -> Callable[[], None] | None:
+    def _close(self, backend: Backend, state: Round) -> Callable[[], None] | None:
         """After the last bucket: a collective to run after them (the default: none)."""
         return None
 
@@ -514,7 +516,7 @@ class BucketMachine(abc.ABC):
         what :meth:`_close` adds, then wait."""
         while state.sent < len(self._buckets):
             self._send(backend, state, state.sent, overlap=overlap)
-        last = self._close(state)
+        last = self._close(backend, state)
         if overlap:
             worker = backend.comm_thread()
             if last is not None:

@@ -57,7 +57,9 @@ def _params_of(module_or_params: torch.nn.Module | Iterable[torch.Tensor]) -> tu
 
 # allreduce_gradients keeps one reducer per backend, op and bucket size, so its plan (and the
 # configuration check that comes with building one) is reused while the parameters stay the same.
-_REDUCERS: weakref.WeakKeyDictionary[Backend, dict[tuple[ReduceOp, int], GradientReducer]] = weakref.WeakKeyDictionary()
+_REDUCERS: weakref.WeakKeyDictionary[Backend, dict[tuple[ReduceOp, int, bool], GradientReducer]] = (
+    weakref.WeakKeyDictionary()
+)
 _REDUCERS_LOCK = threading.Lock()
 
 
@@ -67,6 +69,7 @@ def allreduce_gradients(
     op: Any = ReduceOp.AVG,
     *,
     bucket_bytes: int | None = None,
+    sparse_as_dense: bool = False,
 ) -> None:
     """Average (or ``op``) every parameter's gradient across ranks, in place.
 
@@ -74,7 +77,9 @@ def allreduce_gradients(
     the same order on every rank (a module's ``parameters()`` are). The first call, and
     every call whose parameters differ from the previous call's, compares ``op``,
     ``bucket_bytes`` and the parameters' shapes and dtypes across ranks and raises
-    ``ValueError`` on every rank on a difference. A sparse gradient becomes dense.
+    ``ValueError`` on every rank on a difference. Sparse gradients are reduced as sparse (the first call
+    that meets one reduces it dense once, then it goes as sparse) with ``dml.SUM`` and ``dml.AVG``, and as
+    dense tensors with ``sparse_as_dense=True`` or another op.
 
     Example:
         >>> model = torch.nn.Linear(4, 1)
@@ -84,20 +89,23 @@ def allreduce_gradients(
         >>> opt.step()
     """
     check_backend(backend, "allreduce_gradients")
-    key = (resolve_op(op), default_bucket_bytes(backend, bucket_bytes))
+    if not isinstance(sparse_as_dense, bool):
+        raise TypeError(f"sparse_as_dense: got {sparse_as_dense!r}; allowed: True or False")
+    key = (resolve_op(op), default_bucket_bytes(backend, bucket_bytes), sparse_as_dense)
     params, labels = _params_of(module_or_params)
     with _REDUCERS_LOCK:
         reducers = _REDUCERS.setdefault(backend, {})
         if key not in reducers:
             reducers[key] = GradientReducer(
-                "allreduce_gradients", *key, None, params=list, labels=list, fix=_FIX_ALLREDUCE
+                "allreduce_gradients", *key[:2], None, params=list, labels=list, fix=_FIX_ALLREDUCE
             )
+            reducers[key].sparse_as_dense = sparse_as_dense
         reducer = reducers[key]
     reducer.use(lambda: params, lambda: labels)
     reducer.reduce(backend)
 
 
-_FIX_ALLREDUCE = "Call allreduce_gradients with the same op and bucket_bytes"
+_FIX_ALLREDUCE = "Call allreduce_gradients with the same op, bucket_bytes and sparse_as_dense"
 _FIX_OPTIMIZER = "Create DistributedOptimizer with the same op, bucket_bytes and communication_dtype"
 _FIX_BACKWARD = "Call reduce_gradients_in_backward with the same op, bucket_bytes and communication_dtype"
 
@@ -160,6 +168,7 @@ def reduce_gradients_in_backward(
     bucket_bytes: int | None = None,
     communication_dtype: torch.dtype | None = None,
     overlap: bool | None = None,
+    sparse_as_dense: bool = False,
 ) -> BackwardReduction:
     """From now on every ``backward()`` returns with each ``.grad`` averaged (or ``op``) across ranks.
 
@@ -169,6 +178,7 @@ def reduce_gradients_in_backward(
     ``NCCLBackend``) or all at its end; either way ``.grad`` is final when ``backward()``
     returns, so clipping and AMP unscaling need no extra call. Every rank must run the
     same number of backward passes. Use ``handle.no_sync()`` to accumulate micro-batches.
+    Sparse gradients are reduced as sparse unless ``sparse_as_dense`` (see ``DistributedOptimizer``).
 
     Example:
         >>> model = torch.nn.Linear(4, 1)
@@ -193,6 +203,9 @@ def reduce_gradients_in_backward(
         labels=names,
         fix=_FIX_BACKWARD,
     )
+    if not isinstance(sparse_as_dense, bool):
+        raise TypeError(f"sparse_as_dense: got {sparse_as_dense!r}; allowed: True or False")
+    reducer.sparse_as_dense = sparse_as_dense
     reducer.attach(backend, overlap=default_overlap(backend) if overlap is None else bool(overlap))
     return BackwardReduction(backend, reducer)
 
@@ -216,9 +229,12 @@ class DistributedOptimizer(DataParallelOptimizer):
     ``bucket_bytes``, ``communication_dtype`` and the parameters' shapes, dtypes and
     device types, and all raise ``ValueError`` naming the ranks that differ.
 
-    Sparse gradients (``nn.Embedding(sparse=True)``) are reduced as dense tensors, like
-    Horovod's ``sparse_as_dense``, and stay dense: optimizers that accept dense gradients
-    work (``torch.optim.SparseAdam``, which needs sparse ones, is refused).
+    Sparse gradients (``nn.Embedding(sparse=True)``) are reduced as sparse, as Horovod does by
+    default: every rank's indices and values are gathered and summed (``dml.sparse_allreduce``),
+    so the bytes follow the rows touched, not the table, and ``.grad`` stays sparse
+    (``torch.optim.SparseAdam`` works). The first backward that meets one reduces it dense once (the
+    buckets were cut before it was seen) and hands it back sparse. ``sparse_as_dense=True`` reduces
+    them as dense tensors instead, as do ops other than ``dml.SUM`` and ``dml.AVG``.
 
     ``DistributedOptimizer(..., shard_state=True)`` returns a :class:`~distutils_ml.ShardedOptimizer`,
     a sibling over the same base (:mod:`distutils_ml.optimizer_base`), registered as a
@@ -227,7 +243,7 @@ class DistributedOptimizer(DataParallelOptimizer):
 
     Args:
         backend: from ``dml.get_distributed_backend``.
-        optimizer: any ``torch.optim.Optimizer`` that accepts dense gradients.
+        optimizer: any ``torch.optim.Optimizer``.
         op: how gradients combine: ``dml.AVG`` (default) or another reduction.
         bucket_bytes: gradients smaller than this share flat buckets of about this size
             per dtype; larger ones are reduced in place (default 256 KiB on one host,
@@ -244,6 +260,8 @@ class DistributedOptimizer(DataParallelOptimizer):
         shard_state: True shards the optimizer state over the ranks (ZeRO-1): the result
             is a :class:`~distutils_ml.ShardedOptimizer`, with 1/W of the state per rank
             (elementwise optimizers only; see its documentation for what differs).
+        sparse_as_dense: reduce sparse gradients as dense tensors (Horovod's option) rather than
+            as sparse; with ``shard_state=True`` they are always dense (views of the flat buffer).
 
     Example:
         >>> model = dml.synchronize(backend, torch.nn.Linear(4, 1))
@@ -273,6 +291,7 @@ class DistributedOptimizer(DataParallelOptimizer):
             fix=_FIX_OPTIMIZER,
         )
         self._op = self._reducer.op
+        self._reducer.sparse_as_dense = self._sparse_as_dense
         self._reducer.skip = self._skip_backward
         self._reducer.on_reduced = self._backward_reduced
         self._reducer.attach(backend, overlap=default_overlap(backend) if overlap is None else bool(overlap))
@@ -285,11 +304,12 @@ class DistributedOptimizer(DataParallelOptimizer):
             )
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if isinstance(optimizer, torch.optim.SparseAdam):
+        if isinstance(optimizer, torch.optim.SparseAdam) and self._sparse_as_dense:
             raise TypeError(
-                "optimizer: got torch.optim.SparseAdam, which needs sparse gradients; DistributedOptimizer reduces "
-                "sparse gradients as dense tensors (like Horovod's sparse_as_dense=True) and leaves .grad dense. "
-                "Use an optimizer that accepts dense gradients, e.g. torch.optim.Adam"
+                "optimizer: got torch.optim.SparseAdam, which needs sparse gradients, with sparse_as_dense=True, "
+                "which reduces them as dense tensors and leaves .grad dense. Leave sparse_as_dense=False (sparse "
+                "gradients are then reduced as sparse and stay sparse), or use an optimizer that accepts dense "
+                "gradients, e.g. torch.optim.Adam"
             )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -132,9 +132,13 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         overlap: bool | None = None,
         backward_passes_per_step: int = 1,
         shard_state: Any = ...,
+        sparse_as_dense: bool = False,
     ) -> None:
         """The arguments of ``DistributedOptimizer``; ``shard_state`` left out (``...``): this form's."""
         check_backend(backend, "DistributedOptimizer")
+        if not isinstance(sparse_as_dense, bool):
+            raise TypeError(f"sparse_as_dense: got {sparse_as_dense!r}; allowed: True or False")
+        self._sparse_as_dense = sparse_as_dense
         self._check_shard_state(self._shards if shard_state is ... else shard_state)
         check_wrapped(optimizer, backward_passes_per_step, self._example)
         self._check_optimizer(optimizer)

@@ -41,12 +41,14 @@ from distutils_ml.buckets import (
 )
 from distutils_ml.collectives import allgather, allreduce
 from distutils_ml.objects import allgather_object, digest
+from distutils_ml.sparse import sparse_allreduce
 from distutils_ml.tcpring import TcpRing, ring_for
 
 __all__ = ["GradientReducer", "ReducedValues", "agree_on_settings", "ranks_text"]
 
-_SETTINGS = ("op", "communication_dtype", "bucket_bytes", "parameters")
+_SETTINGS = ("op", "communication_dtype", "bucket_bytes", "sparse_as_dense", "parameters")
 _HALVES = (torch.float16, torch.bfloat16)
+_SPARSE_OPS = (ReduceOp.SUM, ReduceOp.AVG)  # what sparse_allreduce reduces
 
 
 @dataclass
@@ -106,6 +108,10 @@ class GradientReducer(BucketMachine):
         self.on_reduced: Callable[[], None] = lambda: None
         #: every reduced gradient is multiplied by this (dml.join: W / the number of ranks that had data)
         self.scale = 1.0
+        #: reduce sparse gradients as dense tensors (Horovod's option); else they go as sparse (SUM and AVG)
+        self.sparse_as_dense = False
+        self._sparse_ids: set[int] = set()  # id() of the parameters whose gradients are reduced as sparse
+        self._sparse: list[int] = []  # their indices in the plan
 
     def use(self, params: Callable[[], list[torch.Tensor]], labels: Callable[[], list[str]]) -> None:
         """Take the parameters (and their names for messages) from ``params()`` and ``labels()`` from now on."""
@@ -136,11 +142,15 @@ class GradientReducer(BucketMachine):
 
     def _build(self, params: list[torch.Tensor]) -> None:
         n = len(params)
+        self._sparse = [i for i, p in enumerate(params) if id(p) in self._sparse_ids]
+        dense = [i for i in range(n) if id(params[i]) not in self._sparse_ids]
         # The first flat bucket of each wire dtype is smaller (as DDP's first bucket): the last layers'
         # gradients go while backward is still computing the rest.
         groups: list[tuple[bool, tuple[torch.dtype, torch.device] | None, list[int]]] = [
-            (alone, None if alone else key, members)
-            for alone, key, members in cut_buckets(params, self.bucket_bytes, self.comm_dtype, REDUCER_CUT)
+            (alone, None if alone else key, [dense[j] for j in members])
+            for alone, key, members in cut_buckets(
+                [params[i] for i in dense], self.bucket_bytes, self.comm_dtype, REDUCER_CUT
+            )
         ]
         # The header travels in the last bucket sent: the last flat bucket, moved to the end (or a bucket of its own).
         flat_positions = [k for k, g in enumerate(groups) if not g[0]]
@@ -153,7 +163,7 @@ class GradientReducer(BucketMachine):
         assert head_key is not None
         self._head_dtype = head_key[0]
         self._levels = 4 if head_key[0] in _HALVES else 16
-        head = n + 1 + 3 * len(groups)
+        head = 2 * n + 1 + 3 * len(groups)
         buckets = []
         for k, (direct, key, members) in enumerate(groups):
             if direct:
@@ -172,7 +182,7 @@ class GradientReducer(BucketMachine):
             buckets.append(bucket)
         self._params = params
         self._buckets = buckets
-        self._bucket_of = [0] * n
+        self._bucket_of = [-1] * n  # -1: reduced as sparse, after the buckets
         for k, b in enumerate(buckets):
             for i in b.params:
                 self._bucket_of[i] = k
@@ -180,7 +190,7 @@ class GradientReducer(BucketMachine):
 
     def _agree(self, backend: Backend, params: list[torch.Tensor]) -> None:
         """Raise ``ValueError`` on every rank unless every rank has the same configuration."""
-        settings = (self.op, self.comm_dtype, self.bucket_bytes)
+        settings = (self.op, self.comm_dtype, self.bucket_bytes, self.sparse_as_dense)
         agree_on_settings(backend, self.caller, self._fix, settings, params=params, labels=self._labels)
 
     # -- reduce now ------------------------------------------------------------------------
@@ -249,6 +259,7 @@ class GradientReducer(BucketMachine):
                 state.graphs[i] = (g, sent)
                 return sent
             elif g.layout != torch.strided:
+                self._note_sparse(state, i, g)
                 p.grad = g = g.to_dense()
             elif not g.is_contiguous():
                 p.grad = g = g.contiguous()
@@ -264,6 +275,7 @@ class GradientReducer(BucketMachine):
                     state.graphs[i] = (g, None)
                     g = g.detach()
                 if g.layout != torch.strided:
+                    self._note_sparse(state, i, g)
                     shaped.copy_(g.to_dense())
                 elif not is_slice(g, flat):
                     flat.copy_(g.reshape(-1))
@@ -272,6 +284,36 @@ class GradientReducer(BucketMachine):
             assert bucket.flat is not None
             tensor = bucket.flat
         return tensor
+
+    def _note_sparse(self, state: Round, i: int, g: torch.Tensor) -> None:
+        """A sparse gradient in a dense bucket: reduced dense this once; from the next round on as sparse."""
+        if g.is_sparse and g.sparse_dim() == 1 and not self.sparse_as_dense and self.op in _SPARSE_OPS:
+            state.sparse_seen.add(i)
+
+    def _close(self, backend: Backend, state: Round) -> Callable[[], None] | None:
+        """After the buckets: the gradients reduced as sparse (gathered indices and values), in parameter order."""
+        if not self._sparse:
+            return None
+        return lambda: self._reduce_sparse(backend, state)
+
+    def _reduce_sparse(self, backend: Backend, state: Round) -> None:
+        params = [self._params[i] for i in self._sparse]
+        has = np.array([p.grad is not None for p in params], dtype=np.float64)
+        allreduce(backend, has, ReduceOp.MAX)
+        for i, p, anyone in zip(self._sparse, params, has, strict=True):
+            if not anyone:
+                state.sparse[i] = None
+                continue
+            g = p.grad
+            if g is None:  # this rank's share is empty: an embedding's gradient (one sparse dimension)
+                g = torch.sparse_coo_tensor(
+                    torch.empty(1, 0, dtype=torch.int64, device=p.device),
+                    torch.empty(0, *p.shape[1:], dtype=p.dtype, device=p.device),
+                    p.shape,
+                )
+            elif g.layout == torch.strided:
+                g = g.detach().to_sparse(sparse_dim=1)
+            state.sparse[i] = sparse_allreduce(backend, g.detach(), self.op)
 
     def _communicate(self, backend: Backend, k: int, tensor: torch.Tensor) -> None:
         bucket = self._buckets[k]
@@ -285,12 +327,14 @@ class GradientReducer(BucketMachine):
     # -- the header ------------------------------------------------------------------------
 
     def _write_head(self, state: Round, bucket: _Bucket) -> None:
-        """Flags, the changed mark and each bucket's ready position, at the start of the last bucket."""
+        """Flags, the changed mark, the sparse marks and each bucket's ready position, at the start of the last
+        bucket."""
         n, nb, levels = len(self._params), len(self._buckets), self._levels
         values = np.zeros(bucket.head, dtype=np.float64)
         values[:n] = state.has
         values[n] = 1.0 if state.changed else 0.0
-        encode_order(values[n + 1 :].reshape(nb, 3), state.ready_at, state.task, self._head_op, levels)
+        values[n + 1 + np.fromiter(state.sparse_seen, dtype=np.int64)] = 1.0
+        encode_order(values[2 * n + 1 :].reshape(nb, 3), state.ready_at, state.task, self._head_op, levels)
         assert bucket.flat is not None
         bucket.flat[: bucket.head].copy_(torch.from_numpy(values))
 
@@ -323,6 +367,16 @@ class GradientReducer(BucketMachine):
                         g.copy_(shaped)
                 elif g is None or g.layout != torch.strided or not is_slice(g, flat):
                     p.grad = shaped  # from now on backward accumulates straight into the bucket
+        for i, reduced in state.sparse.items():
+            self._params[i].grad = reduced if reduced is None or self.scale == 1.0 else reduced * self.scale
+        seen = np.flatnonzero(head[n + 1 : 2 * n + 1] > 0)
+        if len(seen):  # some rank had a sparse gradient here: sparse again, and reduced as sparse from now on
+            for i in seen.tolist():
+                p = self._params[i]
+                if p.grad is not None:
+                    p.grad = p.grad.detach().to_sparse(sparse_dim=1)
+                self._sparse_ids.add(id(p))
+            self._plan_key = None
         if head[n] > 0:
             raise RuntimeError(
                 f"{self.caller}: the parameters changed after the reduction plan was built (a parameter was "
@@ -331,7 +385,7 @@ class GradientReducer(BucketMachine):
                 "DistributedOptimizer, add parameters with its add_param_group), on every rank"
             )
         if state.task >= 0:
-            self._check_order(backend, head[n + 1 :].reshape(nb, 3))
+            self._check_order(backend, head[2 * n + 1 :].reshape(nb, 3))
 
     def _rescale(self, state: Round) -> None:
         """Multiply every reduced gradient by ``scale`` (dml.join: an average over the ranks that had data)."""
@@ -389,13 +443,14 @@ def agree_on_settings(
     backend: Backend,
     caller: str,
     fix: str,
-    settings: tuple[Any, Any, Any],
+    settings: tuple[Any, ...],
     *,
     params: list[torch.Tensor],
     labels: Callable[[], list[str]],
 ) -> None:
     """Raise ``ValueError`` on every rank unless every rank has the same ``settings`` (op, communication
-    dtype, bucket bytes) and parameters (shapes, dtypes, device types): one small allgather when they agree."""
+    dtype, bucket bytes, sparse_as_dense: as many as given, in that order) and parameters (shapes, dtypes,
+    device types): one small allgather when they agree."""
     shapes = [f"{tuple(p.shape)} {p.dtype} {p.device.type}" for p in params]
     mine = np.array([digest(repr(v)) for v in (*settings, shapes)], dtype=np.int64)
     every = np.empty((backend.size, mine.size), dtype=np.int64)
@@ -404,7 +459,8 @@ def agree_on_settings(
         return
     values = allgather_object(backend, (*settings, _describe(params, labels())))
     lines = []
-    for k, name in enumerate(_SETTINGS):
+    names = (*_SETTINGS[: len(settings)], _SETTINGS[-1])
+    for k, name in enumerate(names):
         if (every[:, k] != every[0, k]).any():
             column = [v[k] for v in values]
             lines.append(_parameters_difference(column) if name == "parameters" else _by_rank(name, column))

@@ -371,7 +371,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
     def _communicate(self, backend: Backend, k: int, tensor: torch.Tensor) -> None:
         self._reduce_bucket(self._buckets[k])
 
-    def _close(self, state: Round) -> Callable[[], None]:
+    def _close(self, backend: Backend, state: Round) -> Callable[[], None]:
         """The header, reduce-scattered after the buckets (the gradient buffers then hold a reduction)."""
         self._write_head(state)
         head = self._head

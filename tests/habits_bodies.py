@@ -249,3 +249,94 @@ def shared_across_body(backend: dml.Backend, form: str, overlap: bool) -> str:
     assert not overlap
     assert torch.allclose(results[0], results[1], rtol=1e-12, atol=1e-14), (results[0] - results[1]).abs().max()
     return "equal"
+
+
+# -- sparse gradients ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SparseCase:
+    optimizer: str  # "sgd" (one optimizer over everything) or "sparseadam" (SparseAdam for the table, Adam else)
+    form: str
+    overlap: bool
+    sparse_as_dense: bool
+    bucket_bytes: int | None
+
+
+def sparse_cases() -> st.SearchStrategy[SparseCase]:
+    return st.builds(
+        SparseCase,
+        st.sampled_from(("sgd", "sparseadam")),
+        st.sampled_from(FORMS),
+        st.booleans(),
+        st.booleans(),
+        st.sampled_from((None, 0)),
+    ).filter(lambda c: not (c.optimizer == "sparseadam" and (c.sparse_as_dense or c.form == "sharded")))
+
+
+ROWS, DIM = 3000, 4
+
+
+def _embedding_model() -> tuple[torch.nn.Embedding, torch.nn.Linear]:
+    emb, lin = torch.nn.Embedding(ROWS, DIM, sparse=True).double(), torch.nn.Linear(DIM, 1).double()
+    _init(emb, 11)
+    _init(lin, 12)
+    return emb, lin
+
+
+def _optimizers(case: SparseCase, emb: torch.nn.Module, lin: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    if case.optimizer == "sparseadam":
+        return [torch.optim.SparseAdam(list(emb.parameters()), lr=0.1), torch.optim.Adam(lin.parameters(), lr=0.1)]
+    return [torch.optim.SGD([*emb.parameters(), *lin.parameters()], lr=0.1, momentum=0.9)]
+
+
+def sparse_embedding_body(backend: dml.Backend, case: SparseCase) -> None:
+    """nn.Embedding(sparse=True) trains as one process on the whole batch; unsharded, after the first step the table
+    never travels dense (no primitive carries ROWS * DIM elements) and .grad stays sparse, unless sparse_as_dense."""
+    w, rank = backend.size, backend.rank
+    emb, lin = _embedding_model()
+    ref_emb, ref_lin = _embedding_model()
+    opts = [
+        dml.DistributedOptimizer(
+            backend,
+            o,
+            shard_state=case.form == "sharded",
+            overlap=case.overlap,
+            sparse_as_dense=case.sparse_as_dense,
+            bucket_bytes=case.bucket_bytes,
+        )
+        for o in _optimizers(case, emb, lin)
+    ]
+    refs = _optimizers(case, ref_emb, ref_lin)
+    largest: list[int] = []
+
+    def watch(name: str, original, *args):
+        if name in ("_allreduce", "_reduce_scatter", "_allgather"):
+            largest[-1] = max(largest[-1], *(a.size for a in args[:2] if hasattr(a, "size")))
+        return original(*args)
+
+    backend.observe(watch)
+    try:
+        for t in range(4):
+            largest.append(0)
+            idx = torch.randint(0, ROWS, (w, 5), generator=torch.Generator().manual_seed(70 + t))
+            for o in opts:
+                o.zero_grad()
+            lin(emb(idx[rank])).pow(2).mean().backward()
+            sparse_now = case.form == "plain" and not case.sparse_as_dense
+            assert emb.weight.grad.is_sparse == sparse_now, (case, emb.weight.grad.layout)
+            for o in opts:
+                o.step()
+            for o in refs:
+                o.zero_grad()
+            torch.stack([ref_lin(ref_emb(idx[r])).pow(2).mean() for r in range(w)]).mean().backward()
+            for o in refs:
+                o.step()
+    finally:
+        backend.observe(None)
+    if w > 1 and case.form == "plain" and not case.sparse_as_dense:
+        assert max(largest[1:]) < ROWS * DIM, (case, largest)  # the table went sparse after the first step
+    elif w > 1:
+        assert max(largest) >= ROWS * DIM // w, (case, largest)  # dense (the sharded form reduce-scatters it)
+    for got, want in ((emb.weight, ref_emb.weight), (lin.weight, ref_lin.weight)):
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), (case, (got - want).abs().max())

@@ -28,6 +28,9 @@ def main(names: list[str]) -> None:
         "shared": lambda: [
             guarded(habits_bodies.shared_across_body, world, form, o) for form in habits_bodies.FORMS for o in (0, 1)
         ],
+        "sparse": lambda: hypothesis_check(
+            world, habits_bodies.sparse_embedding_body, habits_bodies.sparse_cases(), 10
+        ),
         "checkpoint": lambda: hypothesis_check(
             world, habits_bodies.checkpoint_body, habits_bodies.checkpoint_cases(), 16
         ),

@@ -1131,7 +1131,9 @@ def extras_body(backend: dml.Backend) -> None:
         for p in [*emb.parameters(), *lin.parameters()]:
             p.data.copy_(torch.randn(p.shape, generator=_gen(p.numel())))
         opts = [
-            dml.DistributedOptimizer(backend, torch.optim.Adam(emb.parameters(), lr=0.1), shard_state=sharded),
+            dml.DistributedOptimizer(  # Adam takes dense gradients: the unsharded form densifies them as asked
+                backend, torch.optim.Adam(emb.parameters(), lr=0.1), shard_state=sharded, sparse_as_dense=True
+            ),
             dml.DistributedOptimizer(backend, make_optimizer("sgd", lin.parameters()), shard_state=sharded),
             dml.DistributedOptimizer(backend, torch.optim.SGD([hand], lr=1.0), shard_state=sharded),
         ]

@@ -1,5 +1,6 @@
 """The bucket machine's rounds (distutils_ml/buckets.py) under what DDP users do: backward(create_graph=True),
-gradient penalties, activation checkpointing with and without reentrant backward; on simulated ranks and
+gradient penalties, activation checkpointing with and without reentrant backward, sparse embeddings (reduced as
+sparse, SparseAdam, sparse_as_dense); on simulated ranks and
 under mpiexec with 2 and 3 ranks, both optimizer forms, overlap on and off (tests/habits_bodies.py)."""
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ def test_every_reentrant_placement_both_forms_and_overlaps(form: str, where: str
 def test_a_parameter_inside_and_outside_a_reentrant_block(form: str, overlap: bool) -> None:
     got = dml.LocalBackend.spawn(2, habits_bodies.shared_across_body, form, overlap, timeout=60)
     assert got == ["refused" if overlap else "equal"] * 2
+
+
+@settings(max_examples=25, deadline=None)
+@given(world=st.integers(1, 3), case=habits_bodies.sparse_cases())
+def test_sparse_embeddings_train_as_one_process(world: int, case: habits_bodies.SparseCase) -> None:
+    dml.LocalBackend.spawn(world, habits_bodies.sparse_embedding_body, case, timeout=60)
 
 
 def test_reentrant_detection() -> None:

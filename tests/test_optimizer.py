@@ -222,10 +222,13 @@ def test_sparse_gradients_train_like_one_process(world: int) -> None:
     dml.LocalBackend.spawn(world, sparse_gradient_body, 4, timeout=60)
 
 
-def test_sparse_adam_is_refused() -> None:
+def test_sparse_adam_is_refused_only_with_sparse_as_dense() -> None:
     emb = torch.nn.Embedding(4, 2, sparse=True)
-    with pytest.raises(TypeError, match=r"torch\.optim\.SparseAdam, which needs sparse gradients"):
-        dml.DistributedOptimizer(dml.LocalBackend(), torch.optim.SparseAdam(emb.parameters()))
+    with pytest.raises(TypeError, match=r"torch\.optim\.SparseAdam, which needs sparse gradients, with sparse_as_d"):
+        dml.DistributedOptimizer(dml.LocalBackend(), torch.optim.SparseAdam(emb.parameters()), sparse_as_dense=True)
+    dml.DistributedOptimizer(dml.LocalBackend(), torch.optim.SparseAdam(emb.parameters()))
+    with pytest.raises(TypeError, match="sparse_as_dense: got 1"):
+        dml.DistributedOptimizer(dml.LocalBackend(), torch.optim.SGD(emb.parameters(), lr=0.1), sparse_as_dense=1)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

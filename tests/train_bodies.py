@@ -644,20 +644,20 @@ def sparse_gradient_body(backend: dml.Backend, seed: int) -> None:
     """nn.Embedding(sparse=True) trains like one process on the full batch (dense gradients there), with SGD
     (momentum) and Adam, bucketed or in place, kept or fresh gradients, through DistributedOptimizer and
     allreduce_gradients, also when the embedding has a sparse gradient on some ranks and None on the others;
-    afterwards .grad is dense."""
+    reduced as sparse (.grad stays sparse; SGD) or, with sparse_as_dense=True, as dense (.grad dense; SGD, Adam)."""
     rank, size = dml.local_rank(backend), dml.total_workers(backend)
     g = _gen(seed)
     steps, per_rank = 3, 4
     idx = torch.randint(0, 12, (steps, size, per_rank), generator=g)  # repeated rows: uncoalesced gradients
     x = torch.randn(steps, size, per_rank, 4, generator=g, dtype=torch.float64)
     y = torch.randn(steps, size, per_rank, 2, generator=g, dtype=torch.float64)
-    for kind in ("sgd", "adam"):
+    for kind, dense in (("sgd", False), ("sgd", True), ("adam", True)):
         for bucket_bytes in (0, 1 << 20):
             for keep, some_ranks, api in ((False, False, "opt"), (True, True, "opt"), (False, True, "allreduce")):
                 uses = [not some_ranks or r % 2 == 1 for r in range(size)]  # None on even ranks when some_ranks
                 model, ref = SparseModel(seed, sparse=True), SparseModel(seed, sparse=False)
                 inner, ref_opt = _optimizer(kind, model.parameters()), _optimizer(kind, ref.parameters())
-                opt = dml.DistributedOptimizer(backend, inner, bucket_bytes=bucket_bytes)
+                opt = dml.DistributedOptimizer(backend, inner, bucket_bytes=bucket_bytes, sparse_as_dense=dense)
                 for k in range(steps):
                     opt.zero_grad(set_to_none=not keep)
                     loss = torch.nn.functional.mse_loss(model(idx[k, rank], x[k, rank], uses[rank]), y[k, rank])
@@ -665,7 +665,7 @@ def sparse_gradient_body(backend: dml.Backend, seed: int) -> None:
                     if api == "opt":
                         opt.step()
                     else:
-                        dml.allreduce_gradients(backend, model, bucket_bytes=bucket_bytes)
+                        dml.allreduce_gradients(backend, model, bucket_bytes=bucket_bytes, sparse_as_dense=dense)
                         inner.step()
                     ref_opt.zero_grad(set_to_none=not keep)
                     total = sum(
@@ -673,8 +673,9 @@ def sparse_gradient_body(backend: dml.Backend, seed: int) -> None:
                     )
                     (total / size).backward()
                     ref_opt.step()
-                what = f"rank {rank}: {kind}, bucket_bytes={bucket_bytes}, keep={keep}, some={some_ranks}, {api}"
-                assert model.emb.weight.grad is None or model.emb.weight.grad.layout == torch.strided, what
+                what = f"rank {rank}: {kind}, {dense=}, {bucket_bytes=}, {keep=}, some={some_ranks}, {api}"
+                grad = model.emb.weight.grad
+                assert grad is None or grad.layout == (torch.strided if dense else torch.sparse_coo), what
                 for p, q in zip(model.parameters(), ref.parameters(), strict=True):
                     torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12, msg=what)
 
