@@ -385,6 +385,7 @@ class BucketMachine(abc.ABC):
             self._flush(backend, state, overlap=False)
             self._finish(backend, state)
 
+    @torch.compiler.disable  # torch.compile around backward() runs the hooks as Python: collectives are not traced
     def _hook(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: ``param.grad`` holds this backward's gradient."""
         backend = self.backend
@@ -472,6 +473,7 @@ class BucketMachine(abc.ABC):
             "gradients (zero_grad()) before the next one"
         )
 
+    @torch.compiler.disable
     def _end_of_backward(self) -> None:
         """Final callback of the autograd engine: send what is left, wait, finish."""
         backend, state = self.backend, self._round
