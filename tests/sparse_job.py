@@ -12,11 +12,11 @@ import signal
 import sys
 import zlib
 
-import sparse_bodies as sb
 from hypothesis import given, seed, settings
 
 import distutils_ml as dml
 
+import sparse_bodies as sb
 from mpi_main import EXAMPLE_FACTOR, RUN_SEED, SETTINGS, guarded, run_checks
 
 EXAMPLES = 40  # random calls per backend (the dev profile draws more)

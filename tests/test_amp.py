@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import distutils_ml as dml
+
 from amp_job import (
     AmpCase,
     agreement_body,
@@ -15,11 +20,6 @@ from amp_job import (
     shard_only_body,
     unsharded_body,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-import distutils_ml as dml
-
 from mpirun import requires_mpi, run_mpi
 
 pytestmark = pytest.mark.filterwarnings(

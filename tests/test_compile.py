@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from compile_job import CASES, Case, compare_body, graphs, name
 
 import distutils_ml as dml
 
+from compile_job import CASES, Case, compare_body, graphs, name
 from mpirun import requires_mpi, run_mpi
 
 

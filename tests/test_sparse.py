@@ -13,12 +13,12 @@ import threading
 
 import numpy as np
 import pytest
-import sparse_bodies as sb
 import torch
 from hypothesis import given, settings
 
 import distutils_ml as dml
 
+import sparse_bodies as sb
 from mpirun import requires_mpi, run_mpi
 
 WORLD_SIZES = range(1, 6)

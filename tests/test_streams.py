@@ -14,6 +14,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils.data import DataLoader, TensorDataset
+
+import distutils_ml as dml
+from distutils_ml.streams import IterableShare, SizedIterableShare
+
+from mpirun import requires_mpi, run_mpi
 from streams_job import (
     LOADER_CASES,
     LoaderCase,
@@ -26,12 +32,6 @@ from streams_job import (
     stream_body,
     stream_cases,
 )
-from torch.utils.data import DataLoader, TensorDataset
-
-import distutils_ml as dml
-from distutils_ml.streams import IterableShare, SizedIterableShare
-
-from mpirun import requires_mpi, run_mpi
 
 WORLDS = st.integers(1, 5)
 
