@@ -150,11 +150,11 @@ def test_simulated_ranks_run_backward_on_their_own_thread() -> None:
 
 
 def test_jobs_of_the_communication_thread_run_on_the_submitters_device() -> None:
-    from distutils_ml.commthread import comm_thread, current_cuda_device
+    from distutils_ml.commthread import current_cuda_device
 
     def run(b: dml.Backend) -> list[int | None]:
         seen: list[int | None] = []
-        worker = comm_thread(b)
+        worker = b.comm_thread()
         worker.submit(lambda: seen.append(current_cuda_device()))
         worker.wait()
         return seen
@@ -165,14 +165,12 @@ def test_jobs_of_the_communication_thread_run_on_the_submitters_device() -> None
 
 @needs_gpu
 def test_gpu_jobs_follow_the_device_of_the_submitting_thread() -> None:
-    from distutils_ml.commthread import comm_thread
-
     last = torch.cuda.device_count() - 1
     seen: list[int] = []
     backend = dml.LocalBackend()
     with torch.cuda.device(last):
-        comm_thread(backend).submit(lambda: seen.append(torch.cuda.current_device()))
-    comm_thread(backend).wait()
+        backend.comm_thread().submit(lambda: seen.append(torch.cuda.current_device()))
+    backend.comm_thread().wait()
     assert seen == [last]
 
 
