@@ -25,7 +25,7 @@ it they all go from the final callback. Each round records the order in which it
 ready; :func:`encode_order` and :func:`order_mismatch` compare it across ranks in the round's header.
 
 Transport (:func:`ring_array`): a CPU bucket of float32/float64 goes over the TCP ring
-(:mod:`distutils_ml.tcpring`) where the ranks span hosts and the ring takes it, else through the backend.
+(:mod:`distutils_ml.gloo`) where the ranks span hosts and gloo takes it, else through the backend.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ import numpy as np
 import torch
 
 from distutils_ml.backends.base import Backend, ReduceOp
+from distutils_ml.gloo import GlooTransport
 from distutils_ml.objects import exclusive
-from distutils_ml.tcpring import TcpRing, transport_choice
+from distutils_ml.transport import transport_choice, transport_for
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -99,12 +100,13 @@ def check_communication_dtype(dtype: Any) -> torch.dtype | None:
 
 def default_overlap(backend: Backend) -> bool:
     """Whether buckets go on the communication thread by default: ``DML_OVERLAP`` (1/0) if set, else on
-    NCCLBackend, and on MPIBackend when its buckets go over the TCP ring (ranks on several hosts).
+    NCCLBackend, and on MPIBackend when its buckets go over a gloo group (ranks on several hosts; deciding
+    it makes the group, a collective: if it cannot connect, the buckets go over MPI and overlap is off).
 
     A thread waiting in an MPI collective polls (Open MPI progresses by spinning), so on one
     host's CPUs it takes the core backward computes on. NCCL reduces on the GPU, and across
-    hosts the buckets go over :mod:`distutils_ml.tcpring`, whose thread sleeps in ``poll()``
-    until bytes arrive (docs/benchmarks/network.md).
+    hosts the buckets go over gloo (:mod:`distutils_ml.transport`), whose threads sleep until
+    bytes arrive (docs/benchmarks/network.md).
     """
     forced = os.environ.get("DML_OVERLAP", "").strip().lower()
     if forced in ("1", "true", "yes", "on"):
@@ -116,7 +118,9 @@ def default_overlap(backend: Backend) -> bool:
     if isinstance(backend, NCCLBackend):
         return True
     choice = transport_choice()
-    return choice == "tcp" or (choice == "auto" and spans_hosts(backend))
+    if choice == "mpi" or (choice == "auto" and not spans_hosts(backend)):
+        return False
+    return transport_for(backend) is not None
 
 
 def spans_hosts(backend: Backend) -> bool:
@@ -140,8 +144,8 @@ def default_bucket_bytes(backend: Backend, bucket_bytes: int | None) -> int:
     return NETWORK_BUCKET_BYTES if spans_hosts(backend) else DEFAULT_BUCKET_BYTES
 
 
-def ring_array(ring: TcpRing | None, tensor: torch.Tensor, op: ReduceOp) -> np.ndarray | None:
-    """The NumPy view of ``tensor`` to send over ``ring`` (the TCP ring across hosts), or None where the
+def ring_array(ring: GlooTransport | None, tensor: torch.Tensor, op: ReduceOp) -> np.ndarray | None:
+    """The NumPy view of ``tensor`` to send over ``ring`` (the gloo transport across hosts), or None where the
     backend carries it (no ring, a device tensor, a dtype or op the ring does not reduce)."""
     if ring is None or tensor.device.type != "cpu" or tensor.dtype not in RING_DTYPES:
         return None

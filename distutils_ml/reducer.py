@@ -40,9 +40,10 @@ from distutils_ml.buckets import (
     ring_array,
 )
 from distutils_ml.collectives import allgather, allreduce
+from distutils_ml.gloo import GlooTransport
 from distutils_ml.objects import allgather_object, digest
 from distutils_ml.sparse import sparse_allreduce
-from distutils_ml.tcpring import TcpRing, ring_for
+from distutils_ml.transport import transport_for
 
 __all__ = ["GradientReducer", "ReducedValues", "agree_on_settings", "ranks_text"]
 
@@ -99,7 +100,7 @@ class GradientReducer(BucketMachine):
         self._index: dict[int, int] = {}
         self._init_rounds()
         self._hooks: list[Any] = []
-        self._ring: TcpRing | None = None
+        self._ring: GlooTransport | None = None
         self.backend: Backend | None = None
         self.overlap = False
         #: asked at the first hook of each backward: True leaves its gradients unreduced (``no_sync``)
@@ -134,7 +135,7 @@ class GradientReducer(BucketMachine):
             if not p.dtype.is_floating_point:
                 raise TypeError(f"{self.caller}: parameter of dtype {p.dtype}; gradients must be floating point")
         self._agree(backend, params)
-        self._ring = ring_for(backend)
+        self._ring = transport_for(backend)
         self._build(params)
         self._plan_key = key
         if self._hooks:
@@ -430,8 +431,8 @@ class ReducedValues(torch.autograd.Function):
         return grad, None
 
 
-def _reduce(backend: Backend, ring: TcpRing | None, tensor: torch.Tensor, op: ReduceOp) -> None:
-    """One bucket's allreduce: over the TCP ring across hosts (:mod:`distutils_ml.tcpring`), else the backend."""
+def _reduce(backend: Backend, ring: GlooTransport | None, tensor: torch.Tensor, op: ReduceOp) -> None:
+    """One bucket's allreduce: over gloo across hosts (:mod:`distutils_ml.transport`), else the backend."""
     array = ring_array(ring, tensor, op)
     if ring is not None and array is not None:
         ring.allreduce(array, op)

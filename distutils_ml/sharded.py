@@ -56,6 +56,7 @@ from distutils_ml.buckets import (
     ring_array,
 )
 from distutils_ml.collectives import allgather, reduce_scatter
+from distutils_ml.gloo import GlooTransport
 from distutils_ml.objects import exclusive
 from distutils_ml.optimizer_base import DataParallelOptimizer
 from distutils_ml.reducer import agree_on_settings
@@ -63,7 +64,7 @@ from distutils_ml.sharded_clip import ShardedClipping
 from distutils_ml.sharded_layout import Bucket, Piece, build_layout
 from distutils_ml.sharded_rules import check_group, check_shardable, register_elementwise
 from distutils_ml.sharded_state import ShardedState
-from distutils_ml.tcpring import TcpRing, ring_for
+from distutils_ml.transport import transport_for
 
 __all__ = ["ShardedOptimizer"]
 
@@ -143,7 +144,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         self._stale = False  # the gradient buffers hold a reduction: zero_grad() comes before the next backward
         self._init_rounds()
         self._agreed = False
-        self._ring: TcpRing | None = None
+        self._ring: GlooTransport | None = None
         self._hooks: list[Any] = []
         self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._build(params)
@@ -272,7 +273,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         agree_on_settings(
             backend, "DistributedOptimizer", _FIX, settings, params=self._params, labels=lambda: self._names
         )
-        self._ring = ring_for(backend)
+        self._ring = transport_for(backend)
         self._agreed = True
 
     def _changed(self) -> bool:
@@ -393,7 +394,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
     def _reduce_scatter(self, rows: torch.Tensor, op: ReduceOp) -> None:
         """In place: ``rows[rank]`` becomes the op over ranks of their ``rows[rank]``; the other rows stay.
 
-        Over the TCP ring where the reducer uses it (ranks on several hosts, :mod:`distutils_ml.tcpring`).
+        Over gloo where the reducer uses it (ranks on several hosts, :mod:`distutils_ml.transport`).
         """
         ring, rank = self._ring, self._backend.rank
         array = ring_array(ring, rows, op)

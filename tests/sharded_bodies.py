@@ -1168,7 +1168,7 @@ def extras_body(backend: dml.Backend) -> None:
 
 
 def ring_body(backend: dml.Backend) -> bool:
-    """Under ``DML_TRANSPORT=tcp`` the buckets, the header and the allgathers go over the TCP ring, on by default
+    """Under ``DML_TRANSPORT=gloo`` the buckets, the header and the allgathers go over gloo, on by default
     with overlap, and training equals the unsharded optimizer's (whose buckets take the ring too)."""
     model = Net((6, 20, 3), 2)
     opt = dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters()), shard_state=True)

@@ -6,7 +6,7 @@ path: ``save=PATH[,avg]`` trains 3 steps and saves a checkpoint there (``dml.sav
 one, trains 3 more steps and saves the result to OUT; ``run=OUT,STEPS[,avg]`` trains STEPS steps from scratch
 and saves the result to OUT. Without ``avg`` every rank trains on the same data with ``dml.MAX``, with it each
 rank on its own batch with ``dml.AVG`` (``sharded_bodies.resume_body``); ``unsharded`` resumes with
-``shard_state=False``. ``ring`` (not run by default) needs ``DML_TRANSPORT=tcp``. Rank 0 ends with
+``shard_state=False``. ``ring`` (not run by default) needs ``DML_TRANSPORT=gloo``. Rank 0 ends with
 ``SHARDED CHECKS PASSED``.
 """
 

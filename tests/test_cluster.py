@@ -105,6 +105,16 @@ def test_gradients_reduced_during_backward_across_nodes(layout: cluster.Cluster)
     assert f"REDUCER CHECKS PASSED: {' '.join(REDUCER_CHECKS)} on {n} ranks" in run.output, run.output[-8000:]
 
 
+def test_gloo_that_cannot_connect_falls_back_to_mpi_with_overlap_off(two_by_two: cluster.Cluster) -> None:
+    """Under DML_TRANSPORT=auto across nodes, a gloo group that cannot be made (no such interface) is a warning on
+    every rank; the buckets go over MPI with overlap off, and training works."""
+    c = two_by_two
+    argv = [*c.mpiexec_argv(4), *EXPORTS, "-x", "DML_SOCKET_IFNAME=nosuch0", PYTHON, str(TESTS / "transport_job.py")]
+    run = c.run([*argv, "fallback"], timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.output[-8000:]
+    assert run.output.count("fell back to MPI") == 4, run.output[-8000:]
+
+
 def test_launch_with_a_hostfile_spreads_ranks_and_forwards_dml_variables(two_by_two: cluster.Cluster) -> None:
     c = two_by_two
     argv = [LAUNCH, "launch", "-n", "4", "--hostfile", str(c.hostfile), str(TESTS / "launch_probe.py"), "--x", "a.py"]

@@ -42,7 +42,8 @@ LAYER = {
     "distutils_ml.synchronize": "state",
     "distutils_ml.buffers": "state",
     # training: gradients, optimizers, normalization, data, checkpoints
-    "distutils_ml.tcpring": "training",
+    "distutils_ml.gloo": "training",
+    "distutils_ml.transport": "training",
     "distutils_ml.reducer": "training",
     "distutils_ml.buckets": "training",
     "distutils_ml.optimizer_base": "training",
@@ -225,6 +226,10 @@ OUTSIDE_PRIVATES = {
     "_foreach_mul_": "torch._foreach_mul_: clip_grad_norm_ as torch computes it",
     "_getframe": "sys._getframe: the call site debug mode reports",
     "_fields": "a namedtuple's public field list",
+    "_Options": "torch's ProcessGroupGloo._Options: a gloo group's device (the interface) and timeout, without the "
+    "process-wide GLOO_SOCKET_IFNAME",
+    "_devices": "see _Options",
+    "_timeout": "see _Options",
 }
 
 

@@ -262,8 +262,8 @@ def test_sharded_job_under_mpiexec(ranks: int) -> None:
 
 
 @requires_mpi
-def test_sharded_job_over_the_tcp_ring() -> None:
-    job = run_mpi(3, ["tests/sharded_job.py", "ring", "errors"], timeout=120, envs=[{"DML_TRANSPORT": "tcp"}] * 3)
+def test_sharded_job_over_gloo() -> None:
+    job = run_mpi(3, ["tests/sharded_job.py", "ring", "errors"], timeout=120, envs=[{"DML_TRANSPORT": "gloo"}] * 3)
     assert job.returncode == 0 and "SHARDED CHECKS PASSED: ring errors on 3 ranks" in job.output, job.output[-8000:]
 
 

@@ -1,9 +1,11 @@
-"""The MPI job of tests/test_tcpring.py: ``mpiexec -n N python tests/tcpring_job.py CHECK`` with ``DML_TRANSPORT=tcp``.
+"""The MPI job of tests/test_transport.py: ``mpiexec -n N python tests/transport_job.py CHECK...``, with
+``DML_TRANSPORT=gloo``.
 
-``ring``: the TCP ring's allreduce against the op over every rank's buffer (hypothesis: sizes,
-dtypes, ops), the result bit-identical on every rank; and the gradient buckets of a model
-going over it. ``agree``: ``DML_TRANSPORT`` set differently on the ranks is a ValueError on
-every rank. Rank 0 ends with ``TCPRING CHECKS PASSED``.
+``ring``: the gloo transport's allreduce, reduce-scatter and allgather against the op over every rank's
+buffer (hypothesis: sizes, dtypes, ops), bit-identical on every rank; ``buckets``: the gradient buckets of a
+model going over it. ``agree``: ``DML_TRANSPORT`` set differently on the ranks is a ValueError on every
+rank. ``broken``: a failed call breaks the transport on every rank. ``bucket_fails`` (must end the job): a
+rank's bucket fails mid-backward. Rank 0 ends with ``TRANSPORT CHECKS PASSED``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from hypothesis import strategies as st
 
 import distutils_ml as dml
 from distutils_ml.backends.base import ReduceOp
-from distutils_ml.tcpring import ring_for
+from distutils_ml.transport import transport_for
 
 from mpi_main import hypothesis_check, run_checks
 
@@ -54,13 +56,15 @@ def ring_cases(draw: st.DrawFn) -> RingCase:
 
 
 def ring_body(world: dml.Backend, case: RingCase) -> None:
-    ring = ring_for(world)
-    assert ring is not None, "DML_TRANSPORT=tcp must give a ring"
+    ring = transport_for(world)
+    assert ring is not None, "DML_TRANSPORT=gloo must give a transport"
     assert world.size <= 8, "the values are exact for sums of up to 8 ranks"
     rng = np.random.default_rng(case.seed)
     every = _values(rng, (world.size, *case.shape), case.dtype, case.op)
     x = every[world.rank].copy()
-    assert ring.supports(x, case.op)
+    if not ring.supports(x, case.op):  # gloo: float32/64, int32/64 (the unsigned go over the backend)
+        assert x.dtype.kind == "u", (x.dtype, case.op)
+        return
     before = ring.calls["allreduce"]
     ring.allreduce(x, case.op)
     assert ring.calls["allreduce"] == before + (x.size > 0), "the allreduce did not run on the ring"
@@ -111,11 +115,11 @@ def buckets_body(world: dml.Backend) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))
     model = dml.synchronize(world, model)
     opt = dml.DistributedOptimizer(world, torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=64 << 10)
-    assert opt.overlap, "DML_TRANSPORT=tcp turns overlap on by default"
+    assert opt.overlap, "DML_TRANSPORT=gloo turns overlap on by default"
     g = torch.Generator().manual_seed(1)
     xs, ys = torch.randn(world.size * 16, 64, generator=g), torch.randint(0, 8, (world.size * 16,), generator=g)
     mine = slice(world.rank * 16, (world.rank + 1) * 16)
-    ring = ring_for(world)
+    ring = transport_for(world)
     assert ring is not None
     before = ring.calls["allreduce"]
     torch.nn.functional.cross_entropy(model(xs[mine]), ys[mine]).backward()
@@ -145,11 +149,80 @@ def _mean_grads(world: dml.Backend, model: torch.nn.Module, xs: torch.Tensor, ys
 
 def agree_body(world: dml.Backend) -> str:
     try:
-        ring_for(world)
+        transport_for(world)
     except ValueError as e:
         assert "DML_TRANSPORT differs across ranks" in str(e), e
         return str(e)
     raise AssertionError("DML_TRANSPORT set differently on the ranks was accepted")
+
+
+def broken_body(world: dml.Backend) -> str:
+    """gloo: a call that fails marks the transport broken on that rank, and every later call there raises naming
+    the first failure; the peers' call fails too (their peer is gone) instead of pairing with a later bucket."""
+    from distutils_ml.gloo import GlooTransportError
+
+    ring = transport_for(world)
+    assert ring is not None and type(ring).__name__ == "GlooTransport", ring
+    x = np.ones(8, np.float32)
+    ring.allreduce(x, ReduceOp.SUM)
+    assert (x == world.size).all(), x
+    if world.rank == world.size - 1:
+        ring.close()  # this rank's transport ends: its next call fails here, its peers' fail with it
+    outcomes = []
+    for _ in range(2):
+        try:
+            ring.allreduce(np.ones(8, np.float32), ReduceOp.SUM)
+            outcomes.append("no error")
+        except GlooTransportError as e:
+            outcomes.append(str(e))
+    every = dml.allgather_object(world, outcomes)
+    for rank, (first, second) in enumerate(every):
+        assert first != "no error" and second != "no error", (rank, first, second)
+        assert "broken by an earlier failure" in second, (rank, second)
+    return "every rank raised, twice"
+
+
+def bucket_fails_body(world: dml.Backend) -> None:
+    """One rank's gradient bucket fails mid-backward (its transport closed): no rank may step (the job ends)."""
+    model = dml.synchronize(
+        world, torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))
+    )
+    opt = dml.DistributedOptimizer(world, torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=64 << 10)
+    model(torch.ones(4, 64)).sum().backward()
+    opt.step()
+    ring = transport_for(world)
+    assert ring is not None
+    if world.rank == world.size - 1:
+        ring.close()
+    opt.zero_grad()
+    model(torch.ones(4, 64)).sum().backward()  # raises on every rank (fail-fast ends the job)
+    opt.step()
+    print(f"[rank {world.rank}] STEPPED AFTER A FAILED BUCKET", flush=True)
+
+
+def fallback_body(world: dml.Backend) -> str:
+    """No interface named by DML_SOCKET_IFNAME: under gloo every rank raises; under auto across hosts every rank
+    warns, the buckets go over MPI with overlap off, and training works."""
+    import warnings
+
+    from distutils_ml.transport import transport_choice
+
+    if transport_choice() == "gloo":
+        try:
+            transport_for(world)
+        except RuntimeError as e:
+            assert "could not make their gloo group" in str(e) and "no IPv4 address" in str(e), e
+            return "refused"
+        raise AssertionError("an unusable interface was not refused")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model = dml.synchronize(world, torch.nn.Linear(8, 2))
+        opt = dml.DistributedOptimizer(world, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert transport_for(world) is None and not opt.overlap, (transport_for(world), opt.overlap)
+    assert any("the gradient buckets go over MPI, with overlap off" in str(w.message) for w in seen), seen
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    return "fell back to MPI"
 
 
 def main(names: list[str]) -> None:
@@ -160,8 +233,11 @@ def main(names: list[str]) -> None:
         "ring": lambda: hypothesis_check(world, ring_body, ring_cases(), 40),
         "buckets": lambda: buckets_body(world),
         "agree": lambda: agree_body(world),
+        "broken": lambda: broken_body(world),
+        "bucket_fails": lambda: bucket_fails_body(world),
+        "fallback": lambda: dml.print(world, fallback_body(world)),
     }
-    run_checks(world, names, "TCPRING CHECKS PASSED", lambda name: checks[name]())
+    run_checks(world, names, "TRANSPORT CHECKS PASSED", lambda name: checks[name]())
 
 
 if __name__ == "__main__":

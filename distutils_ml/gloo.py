@@ -1,0 +1,289 @@
+"""Gradient buckets across hosts over torch's gloo (``torch.distributed.ProcessGroupGloo``), made per backend.
+
+The engine DDP uses on CPUs, in every torch wheel: its own I/O threads, which sleep until bytes arrive (so a
+communication thread waiting on it does not spin on the core backward computes on, as a polled MPI transport
+does), timeouts, and no socket code of ours. The group is made without ``torch.distributed.init_process_group``
+(nothing global): rank 0 opens a ``TCPStore`` whose listener it binds itself, to the chosen interface's address
+(``DML_SOCKET_IFNAME``, else the address its host name resolves to; 127.0.0.1 when every rank is on one host),
+and broadcasts that address and port over the backend; gloo's pairs use the same interface. Its timeout is the
+backend's stall timeout (``DML_TIMEOUT``) plus 10 s (``DML_GLOO_TIMEOUT`` sets it): the stall watchdog, which sees
+every call, names a missing rank and its host first, and gloo's own timeout ends the call if the watchdog cannot.
+
+The transport offers what the bucket machine needs (:func:`distutils_ml.buckets.ring_array` hands it NumPy views):
+
+- ``allreduce``: gloo's (ring-chunked: every element reduced once, on one rank, then copied, so the result is
+  bit-identical everywhere);
+- ``reduce_scatter``: a ring over gloo's ``send``/``recv`` (gloo's own reduce-scatter costs about one allreduce
+  per rank): W-1 steps, each rank sends and receives one W-th of the bucket per step, (W-1)/W in all;
+- ``allgather``: gloo's.
+
+A call that fails (a timeout, a peer gone) marks the transport broken on that rank: every later call raises,
+naming the first failure, so no later bucket can pair with another bucket of a peer. Every call is shown to the
+backend's stall watchdog (:meth:`Backend.watched`) and counted in ``calls``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+import struct
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from distutils_ml.backends.base import Backend, ReduceOp
+
+__all__ = ["GlooTransport", "GlooTransportError", "connect_gloo", "interface_addresses"]
+
+_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int64))
+_NO_TIMEOUT_S = 1800.0  # the stall timeout turned off (0): gloo's default
+_AFTER_WATCHDOG_S = 10.0
+TIMEOUT_ENV = "DML_GLOO_TIMEOUT"
+
+
+class GlooTransportError(RuntimeError):
+    """A transport call failed, or an earlier one did on this rank (the transport is then broken)."""
+
+
+class GlooTransport:
+    """A gloo process group over a backend's ranks, for gradient buckets (the module's docstring)."""
+
+    def __init__(self, backend: Backend, group: Any, where: str, store: Any) -> None:
+        self.size = backend.size
+        self.rank = backend.rank
+        self._backend = backend
+        self._group = group
+        self._store = store  # the rendezvous store lives as long as the group
+        #: Where this rank's gloo device listens ("address" of the chosen interface).
+        self.where = where
+        self._broken: str | None = None
+        self._scratch = np.empty(0, dtype=np.uint8)
+        self._tag = 0
+        #: Operations run, by kind: what proves that a transfer went over gloo rather than the backend.
+        self.calls: dict[str, int] = {"allreduce": 0, "reduce_scatter": 0, "allgather": 0}
+
+    def supports(self, array: np.ndarray, op: ReduceOp) -> bool:
+        """Whether this transport reduces ``array`` with ``op`` (else the backend's collective is used)."""
+        return (
+            array.dtype in _DTYPES and array.flags.c_contiguous and (op is not ReduceOp.AVG or array.dtype.kind == "f")
+        )
+
+    # -- the calls ----------------------------------------------------------------------------------------------
+
+    def allreduce(self, array: np.ndarray, op: ReduceOp) -> None:
+        """Reduce ``array`` (contiguous, in place) with ``op`` over every rank; AVG divides the sum."""
+        flat = array.reshape(-1)
+        if self.size == 1 or flat.size == 0:
+            return
+        with self._call("allreduce", array, op):
+            opts = torch.distributed.AllreduceOptions()
+            opts.reduceOp = _GLOO_OPS[op]
+            self._group.allreduce([torch.from_numpy(flat)], opts).wait()
+            if op is ReduceOp.AVG:
+                np.divide(flat, self.size, out=flat)
+
+    def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp) -> None:
+        """``recvbuf`` = the op over ranks of every rank's ``sendbuf[rank]`` (sendbuf: (W, n), left unchanged;
+        ``recvbuf`` may be ``sendbuf[rank]`` itself)."""
+        if self.size == 1:
+            np.copyto(recvbuf, sendbuf[0])
+            return
+        if recvbuf.size == 0:
+            return
+        with self._call("reduce_scatter", recvbuf, op):
+            self._ring_reduce_scatter(sendbuf.reshape(self.size, -1), recvbuf.reshape(-1), op)
+
+    def allgather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
+        """``recvbuf[k]`` = rank k's ``sendbuf`` (recvbuf: (W, n); sendbuf may be ``recvbuf[rank]`` itself)."""
+        rows = recvbuf.reshape(self.size, -1)
+        mine = sendbuf.reshape(-1)
+        if self.size == 1 or mine.size == 0:
+            if mine.ctypes.data != rows[self.rank].ctypes.data:
+                np.copyto(rows[self.rank], mine)
+            return
+        with self._call("allgather", sendbuf, None):
+            source = torch.from_numpy(mine.copy() if mine.ctypes.data == rows[self.rank].ctypes.data else mine)
+            self._group.allgather([[torch.from_numpy(row) for row in rows]], [source]).wait()
+
+    def close(self) -> None:
+        """End the group (its threads and sockets); later calls raise."""
+        if self._broken is None:
+            self._broken = "the transport was closed"
+        with contextlib.suppress(Exception):
+            self._group.abort()
+
+    # -- machinery ----------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _call(self, kind: str, array: np.ndarray, op: ReduceOp | None) -> Iterator[None]:
+        if self._broken is not None:
+            raise GlooTransportError(
+                f"rank {self.rank}: the gloo transport of the gradient buckets is broken by an earlier failure "
+                f"({self._broken}); no bucket is sent after it. Restart the job (from a checkpoint)"
+            )
+        self.calls[kind] += 1
+        try:
+            with self._backend.watched(kind, array, op):
+                yield
+        except BaseException as e:
+            self._broken = f"{kind} of {array.size} {array.dtype} on rank {self.rank}: {type(e).__name__}: {e}"
+            raise GlooTransportError(
+                f"rank {self.rank}: the gloo transport of the gradient buckets failed in {kind} "
+                f"({type(e).__name__}: {e}); every later bucket on this rank raises. A peer may have ended or be "
+                "unreachable"
+            ) from e
+
+    def _ring_reduce_scatter(self, rows: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+        """W-1 steps: send a partial of part (r-s-1) to the next rank, receive one of part (r-s-2) from the previous,
+        add this rank's own; after the last step the part received is this rank's, fully reduced into ``out``.
+        Two scratch rows alternate: one is sent while the other receives."""
+        W, r = self.size, self.rank
+        n = rows.shape[1]
+        need = 2 * n * rows.dtype.itemsize
+        if self._scratch.nbytes < need:
+            self._scratch = np.empty(need, dtype=np.uint8)
+        bufs = self._scratch[:need].view(rows.dtype).reshape(2, n)
+        ufunc = _UFUNCS[op]
+        right, left = (r + 1) % W, (r - 1) % W
+        sending = rows[(r - 1) % W]
+        for s in range(W - 1):
+            got = bufs[s % 2]
+            tag = self._next_tag()
+            send = self._group.send([torch.from_numpy(sending)], right, tag)
+            recv = self._group.recv([torch.from_numpy(got)], left, tag)
+            recv.wait()
+            send.wait()
+            own = rows[(r - s - 2) % W]
+            if s == W - 2:
+                ufunc(got, own, out=out)  # out may be own (this rank's row): element by element, in place
+            else:
+                ufunc(got, own, out=got)
+                sending = got
+        if op is ReduceOp.AVG:
+            np.divide(out, W, out=out)
+
+    def _next_tag(self) -> int:
+        self._tag = (self._tag + 1) % (1 << 30)
+        return self._tag
+
+
+_GLOO_OPS = {
+    ReduceOp.SUM: torch.distributed.ReduceOp.SUM,
+    ReduceOp.AVG: torch.distributed.ReduceOp.SUM,
+    ReduceOp.PROD: torch.distributed.ReduceOp.PRODUCT,
+    ReduceOp.MAX: torch.distributed.ReduceOp.MAX,
+    ReduceOp.MIN: torch.distributed.ReduceOp.MIN,
+}
+_UFUNCS = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.MIN: np.minimum,
+}
+
+
+def connect_gloo(backend: Backend, hosts: list[str], ifname_env: str) -> tuple[GlooTransport | None, str]:
+    """Make the backend's gloo group (a collective on every rank); (transport, "") or (None, why) on this rank."""
+    from distutils_ml.objects import allgather_object, bcast_object
+
+    W, r = backend.size, backend.rank
+    one_host = len(set(hosts)) == 1
+    address, why = _my_address(ifname_env, one_host)
+    timeout_s = _timeout(float(getattr(backend, "timeout", 0.0) or 0.0))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, listener = None, None
+    if r == 0 and not why:
+        try:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.bind((address, 0))  # only the chosen interface listens
+            listener.listen(max(W, 8))
+            store = torch.distributed.TCPStore(
+                address, listener.getsockname()[1], W, True, timeout,
+                wait_for_workers=False, master_listen_fd=listener.fileno(),
+            )  # fmt: skip
+        except Exception as e:  # reported through the broadcast: every rank fails alike
+            why = f"rank 0 could not open the rendezvous store on {address}: {type(e).__name__}: {e}"
+    port = listener.getsockname()[1] if listener is not None else 0
+    where = bcast_object(backend, (address, port, uuid.uuid4().hex, why) if r == 0 else None)
+    if where[3]:
+        return None, where[3]
+    group, problem = None, why
+    if not problem:
+        try:
+            if store is None:
+                store = torch.distributed.TCPStore(where[0], where[1], W, False, timeout)
+            options = torch.distributed.ProcessGroupGloo._Options()
+            options._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=address)]
+            options._timeout = timeout
+            group = torch.distributed.ProcessGroupGloo(
+                torch.distributed.PrefixStore(f"dml/{where[2]}", store), r, W, options
+            )
+        except Exception as e:
+            problem = f"{type(e).__name__}: {e}"
+    outcome = allgather_object(backend, problem)
+    if listener is not None:
+        listener.close()  # the store keeps its own descriptor
+    failed = {k: w for k, w in enumerate(outcome) if w}
+    if failed:
+        if group is not None:
+            with contextlib.suppress(Exception):
+                group.abort()
+        return None, "; ".join(f"rank {k}: {w}" for k, w in failed.items())
+    return GlooTransport(backend, group, address, store), ""
+
+
+def _timeout(stall: float) -> float:
+    """gloo's timeout: ``DML_GLOO_TIMEOUT`` if set, else a little after the stall watchdog's (whose report names the
+    missing rank and its host), else gloo's default where stall detection is off."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if text:
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise ValueError(f"{TIMEOUT_ENV}={text!r}; allowed: seconds > 0")
+        return value
+    return stall + _AFTER_WATCHDOG_S if stall else _NO_TIMEOUT_S
+
+
+def _my_address(ifname_env: str, one_host: bool) -> tuple[str, str]:
+    """(this rank's address for the store and gloo, "") or ("", why)."""
+    wanted = [x.strip() for x in os.environ.get(ifname_env, "").split(",") if x.strip()]
+    if one_host and not wanted:
+        return "127.0.0.1", ""
+    if wanted:
+        found = interface_addresses(wanted)
+        if not found:
+            return "", f"{ifname_env}={','.join(wanted)}: no IPv4 address on those interfaces here"
+        return found[0], ""
+    try:
+        return socket.gethostbyname(socket.gethostname()), ""
+    except OSError as e:
+        return "", f"the host name {socket.gethostname()!r} does not resolve ({e}); set {ifname_env}"
+
+
+def interface_addresses(wanted: list[str] | None = None) -> list[str]:
+    """This host's IPv4 addresses (of the interfaces named in ``wanted``, if given), loopback last."""
+    found: list[str] = []
+    try:
+        import fcntl
+
+        names = [name for _, name in socket.if_nameindex()]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for name in names:
+                if wanted and name not in wanted:
+                    continue
+                with contextlib.suppress(OSError):
+                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+                    found.append(socket.inet_ntoa(packed[20:24]))
+    except (ImportError, OSError, AttributeError):  # not Linux: what the host name resolves to
+        with contextlib.suppress(OSError):
+            found = socket.gethostbyname_ex(socket.gethostname())[2]
+    return sorted(dict.fromkeys(found), key=lambda a: a.startswith("127."))
