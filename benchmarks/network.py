@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--opt", choices=["sgd", "adam"], default="sgd", help="the training comparison's optimizer")
     ap.add_argument("--only", default="ideal_local,ddp_gloo,dml_after,dml", help="benchmarks/ddp.py's contenders")
     ap.add_argument("--no-steps", action="store_true", help="the allreduce comparison only")
+    ap.add_argument("--dml-buckets", default="", help="benchmarks/ddp.py's --dml-buckets (dml_bb<S> contenders)")
     ap.add_argument("--json-dir", default="benchmarks/results", help="where each job's JSON goes")
     args = ap.parse_args(argv)
     reason = cluster.unavailable() or delayline.missing_requirements(need_tc=True)
@@ -184,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                          out / f"network-allreduce-{tag}.json", timeout=900)  # fmt: skip
             st = None if args.no_steps else mpi_job(
                 c, "ddp.py", ["--models", args.models, "--steps", str(args.steps), "--warmup", "2",
-                              "--batch", str(args.batch), "--opt", args.opt, "--only", args.only],
+                              "--batch", str(args.batch), "--opt", args.opt, "--only", args.only,
+                              *(["--dml-buckets", args.dml_buckets] if args.dml_buckets else [])],
                 out / f"network-ddp-{tag}.json", timeout=900,
             )  # fmt: skip
         tables += [f"### {label}\n\nThe link alone: {_probe_text(alone)}.", allreduce_table(label, rate, ar)]

@@ -19,7 +19,8 @@ The transport offers what the bucket machine needs (:func:`distutils_ml.buckets.
 
 A call that fails (a timeout, a peer gone) marks the transport broken on that rank: every later call raises,
 naming the first failure, so no later bucket can pair with another bucket of a peer. Every call is shown to the
-backend's stall watchdog (:meth:`Backend.watched`) and counted in ``calls``.
+backend's stall watchdog (:meth:`Backend.watched`) and counted in ``calls``; in debug mode (``DML_DEBUG``) it is
+compared across ranks first, as the public collectives are (``CollectiveMismatchError`` on every rank).
 """
 
 from __future__ import annotations
@@ -127,6 +128,8 @@ class GlooTransport:
                 f"({self._broken}); no bucket is sent after it. Restart the job (from a checkpoint)"
             )
         self.calls[kind] += 1
+        if self._backend.debug:  # debug mode: compared across ranks first, as the public collectives are
+            self._backend._check_call(kind, tuple(array.shape), str(array.dtype), op, -1)
         try:
             with self._backend.watched(kind, array, op):
                 yield

@@ -129,19 +129,6 @@ class BackwardReduction:
         """Whether buckets are reduced on the communication thread while backward runs."""
         return self._reducer.overlap
 
-    def prepare(self) -> None:
-        """Build the gradient buckets now and compare the configuration across ranks (a collective on every rank;
-        otherwise it happens at the first reduction)."""
-        self._reducer.plan(self._backend)
-
-    def average_over(self, count: int) -> None:
-        """With ``dml.AVG``: divide the summed gradients by ``count`` ranks instead of the world size, from the next
-        reduction on (``dml.join`` passes the number of ranks that still have data; the others send zeros)."""
-        size = self._backend.size
-        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= size:
-            raise ValueError(f"average_over: count: got {count!r}; allowed: an int from 1 to the world size {size}")
-        self._reducer.scale = size / count if self._op is ReduceOp.AVG and count != size else 1.0
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside only accumulate locally; the next one outside reduces the sum once."""

@@ -63,6 +63,15 @@ def test_gloo_timeout_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @requires_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_debug_mode_compares_gloo_calls_across_ranks(ranks: int) -> None:
+    envs = [{"DML_TRANSPORT": "gloo", "DML_DEBUG": "1"}] * ranks
+    job = run_mpi(ranks, ["tests/transport_job.py", "debug"], envs=envs, timeout=120)
+    assert job.returncode == 0, job.output[-8000:]
+    assert job.output.count("caught") == ranks, job.output[-8000:]
+
+
+@requires_mpi
 def test_transport_set_differently_is_an_error_on_every_rank() -> None:
     job = run_mpi(2, ["tests/transport_job.py", "agree"], envs=[{"DML_TRANSPORT": "gloo"}, {"DML_TRANSPORT": "mpi"}])
     assert job.returncode == 0, job.output[-8000:]

@@ -225,6 +225,24 @@ def fallback_body(world: dml.Backend) -> str:
     return "fell back to MPI"
 
 
+def debug_body(world: dml.Backend) -> str:
+    """Debug mode compares every gloo call across ranks first: calls that differ raise on every rank, and the
+    transport goes on working."""
+    ring = transport_for(world)
+    assert ring is not None and world.debug
+    n = 8 if world.rank == 0 else 9  # a bucket of another size on the other ranks
+    try:
+        ring.allreduce(np.ones(n, np.float32), ReduceOp.SUM)
+    except dml.CollectiveMismatchError as e:
+        assert "differs across ranks" in str(e), e
+    else:
+        raise AssertionError("a gloo call that differs across ranks was not caught in debug mode")
+    x = np.ones(8, np.float32)
+    ring.allreduce(x, ReduceOp.SUM)
+    assert (x == world.size).all(), x
+    return "caught"
+
+
 def main(names: list[str]) -> None:
     faulthandler.register(signal.SIGUSR1)  # the test runner asks for stacks before killing a hung job
     dml.initialize(dml.MPIBackend)
@@ -234,6 +252,7 @@ def main(names: list[str]) -> None:
         "buckets": lambda: buckets_body(world),
         "agree": lambda: agree_body(world),
         "broken": lambda: broken_body(world),
+        "debug": lambda: dml.print(world, debug_body(world)),
         "bucket_fails": lambda: bucket_fails_body(world),
         "fallback": lambda: dml.print(world, fallback_body(world)),
     }
