@@ -25,6 +25,7 @@ compared across ranks first, as the public collectives are (``CollectiveMismatch
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -112,11 +113,19 @@ class GlooTransport:
             self._group.allgather([[torch.from_numpy(row) for row in rows]], [source]).wait()
 
     def close(self) -> None:
-        """End the group (its threads and sockets); later calls raise."""
+        """End the group (its threads and sockets) and the store; later calls raise. Called at exit for every
+        transport, before MPI is finalized: gloo's threads then end while the interpreter is whole, not in its
+        teardown (where a thread torn down inside C++ aborts the process)."""
         if self._broken is None:
             self._broken = "the transport was closed"
-        with contextlib.suppress(Exception):
-            self._group.abort()
+        group, self._group = self._group, None
+        self._store = None
+        if group is not None:
+            with contextlib.suppress(Exception):
+                group.shutdown()
+            with contextlib.suppress(Exception):
+                group.abort()
+            del group
 
     # -- machinery ----------------------------------------------------------------------------------------------
 
@@ -238,7 +247,9 @@ def connect_gloo(backend: Backend, hosts: list[str], ifname_env: str) -> tuple[G
             with contextlib.suppress(Exception):
                 group.abort()
         return None, "; ".join(f"rank {k}: {w}" for k, w in failed.items())
-    return GlooTransport(backend, group, address, store), ""
+    transport = GlooTransport(backend, group, address, store)
+    atexit.register(transport.close)  # after mpi4py's finalizer was registered: runs before it
+    return transport, ""
 
 
 def _timeout(stall: float) -> float:
