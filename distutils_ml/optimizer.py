@@ -27,7 +27,7 @@ import torch
 from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
 from distutils_ml.buckets import default_bucket_bytes, default_overlap
 from distutils_ml.collectives import allgather
-from distutils_ml.optimizer_base import DataParallelOptimizer, Phase
+from distutils_ml.optimizer_base import DataParallelOptimizer, Phase, check_sparse_as_dense
 from distutils_ml.reducer import GradientReducer, ranks_text
 from distutils_ml.sharded import ShardedOptimizer
 
@@ -89,9 +89,7 @@ def allreduce_gradients(
         >>> opt.step()
     """
     check_backend(backend, "allreduce_gradients")
-    if not isinstance(sparse_as_dense, bool):
-        raise TypeError(f"sparse_as_dense: got {sparse_as_dense!r}; allowed: True or False")
-    key = (resolve_op(op), default_bucket_bytes(backend, bucket_bytes), sparse_as_dense)
+    key = (resolve_op(op), default_bucket_bytes(backend, bucket_bytes), check_sparse_as_dense(sparse_as_dense))
     params, labels = _params_of(module_or_params)
     with _REDUCERS_LOCK:
         reducers = _REDUCERS.setdefault(backend, {})
@@ -190,9 +188,7 @@ def reduce_gradients_in_backward(
         labels=names,
         fix=_FIX_BACKWARD,
     )
-    if not isinstance(sparse_as_dense, bool):
-        raise TypeError(f"sparse_as_dense: got {sparse_as_dense!r}; allowed: True or False")
-    reducer.sparse_as_dense = sparse_as_dense
+    reducer.sparse_as_dense = check_sparse_as_dense(sparse_as_dense)
     reducer.attach(backend, overlap=default_overlap(backend) if overlap is None else bool(overlap))
     return BackwardReduction(backend, reducer)
 

@@ -55,7 +55,7 @@ import torch
 from distutils_ml.backends.base import Backend, ReduceOp, check_backend
 from distutils_ml.collectives import allreduce
 
-__all__ = ["DataParallelOptimizer", "Phase", "check_wrapped"]
+__all__ = ["DataParallelOptimizer", "Phase", "check_sparse_as_dense", "check_wrapped"]
 
 
 class Phase(enum.Enum):
@@ -86,6 +86,13 @@ _NEXT = {
 }
 #: Phases whose gradients a step must still reduce (unless inside no_sync()).
 _UNREDUCED = (_P.CLEAN, _P.ACCUMULATED, _P.MIXED)
+
+
+def check_sparse_as_dense(value: Any) -> bool:
+    """``value`` if it is a bool (``sparse_as_dense`` of the optimizer and the reductions), else ``TypeError``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"sparse_as_dense: got {value!r}; allowed: True or False")
+    return value
 
 
 def check_wrapped(optimizer: Any, backward_passes_per_step: Any, example: str) -> None:
@@ -136,9 +143,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     ) -> None:
         """The arguments of ``DistributedOptimizer``; ``shard_state`` left out (``...``): this form's."""
         check_backend(backend, "DistributedOptimizer")
-        if not isinstance(sparse_as_dense, bool):
-            raise TypeError(f"sparse_as_dense: got {sparse_as_dense!r}; allowed: True or False")
-        self._sparse_as_dense = sparse_as_dense
+        self._sparse_as_dense = check_sparse_as_dense(sparse_as_dense)
         self._check_shard_state(self._shards if shard_state is ... else shard_state)
         check_wrapped(optimizer, backward_passes_per_step, self._example)
         self._check_optimizer(optimizer)

@@ -10,8 +10,8 @@ has data and how many steps it took. A rank that has run out of batches leaves t
   it (one small broadcast: kind, shapes, dtypes, op, root) and the joined ranks take part in it with a
   neutral contribution: zeros for a sum or an average (SyncBatchNorm's counts included, so its statistics
   are over the ranks with data), the op's identity for MAX / MIN / PROD, nothing for a gather but zeros. A
-  joined rank that is the root of a broadcast (``broadcast_buffers`` from rank 0) sends what it last sent as
-  root with that shape, its own buffers as they were when it stopped;
+  broadcast or reduce rooted at a joined rank is rooted at the announcer instead (``broadcast_buffers``
+  handles passed to ``join`` move their root likewise), so a joined rank never sends as root;
 - the optimizers' averaged gradients are divided by the number of ranks that had data, not the world size
   (:meth:`DistributedOptimizer.average_over`), as DDP's ``Join`` does;
 - when no rank has data left, every rank takes the parameters, buffers and optimizer state of a rank that
@@ -100,7 +100,6 @@ class Join:
         self._flagged = False  # this iteration's allgather of who still has data is done
         self._announcer: int | None = None  # the rank announcing each primitive (None: every rank has data)
         self._depth = 0  # primitives inside a primitive are the outer one's business
-        self._last_root: dict[tuple[Any, ...], Any] = {}  # what this rank last sent as root, by shape and dtype
         self._hooks: list[Any] = []
         self._entered = False
         self._active: set[int] = set()
@@ -128,9 +127,7 @@ class Join:
                 self._flag(active=True)
             if self._announcer is not None:
                 args = self._to_active_root(name, args)
-                self._announce(name, args)
-            elif name in ("_bcast", "_device_collective") and self._is_root(name, args):
-                self._remember_root(name, args)
+                self._send_announcement((name, _describe(name, args)))
             return original(*args)
         finally:
             self._depth -= 1
@@ -180,26 +177,11 @@ class Join:
                     handle.root = int(have[0])
         return every
 
-    def _announce(self, name: str, args: tuple[Any, ...]) -> None:
-        self._send_announcement((name, _describe(name, args)))
-        if self._is_root(name, args):
-            self._remember_root(name, args)
-
     def _send_announcement(self, what: Any) -> None:
         backend, root = self.backend, self._announcer
         assert root is not None
         data = pickle.dumps(what) if backend.rank == root else None
         type(backend)._bcast_bytes(backend, data, root)
-
-    def _is_root(self, name: str, args: tuple[Any, ...]) -> bool:
-        if name == "_bcast":
-            return args[1] == self.backend.rank
-        return name == "_device_collective" and args[0] == "bcast" and args[4] == self.backend.rank
-
-    def _remember_root(self, name: str, args: tuple[Any, ...]) -> None:
-        buf = args[0] if name == "_bcast" else args[1]
-        copy = buf.copy() if isinstance(buf, np.ndarray) else buf.detach().clone()
-        self._last_root[(name, tuple(buf.shape), str(buf.dtype))] = copy
 
     # -- the joined side --------------------------------------------------------------------------------------
 
@@ -255,9 +237,8 @@ class Join:
             mine = np.zeros(shape, dtype) if payload is None else np.frombuffer(payload, dtype).reshape(shape).copy()
             cls._allgather(backend, mine, np.empty(rshape, dtype))
         elif name == "_bcast":
-            (shape, dtype), root = spec
-            buf = self._root_payload(("_bcast", shape, dtype), lambda: np.zeros(shape, dtype), root)
-            cls._bcast(backend, buf, root)
+            (shape, dtype), root = spec  # never rooted here (see _to_active_root)
+            cls._bcast(backend, np.zeros(shape, dtype), root)
         elif name == "_bcast_bytes":  # never rooted here: a joined root is replaced by the announcer
             (root,) = spec
             cls._bcast_bytes(backend, None, root)
@@ -279,19 +260,9 @@ class Join:
             if shape_dtype is None:
                 return None
             shape, name = shape_dtype
-            dtype = getattr(torch, name.removeprefix("torch."))
-            if kind == "bcast" and root == self.backend.rank:
-                fresh = lambda: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-                return self._root_payload(("_device_collective", shape, name), fresh, root)
-            return _torch_identity(shape, dtype, op, device)
+            return _torch_identity(shape, getattr(torch, name.removeprefix("torch.")), op, device)
 
         type(self.backend)._device_collective(self.backend, kind, make(send), make(recv), op, root)
-
-    def _root_payload(self, key: tuple[Any, ...], fresh: Callable[[], Any], root: int) -> Any:
-        if root != self.backend.rank:
-            return fresh()
-        kept = self._last_root.get((key[0], tuple(key[1]), key[2]))
-        return kept.copy() if isinstance(kept, np.ndarray) else kept.clone() if kept is not None else fresh()
 
     def _reset(self) -> None:
         for opt in self._optimizers:
