@@ -24,8 +24,8 @@ the backend's communication thread (:mod:`distutils_ml.commthread`) while backwa
 it they all go from the final callback. Each round records the order in which its buckets became
 ready; :func:`encode_order` and :func:`order_mismatch` compare it across ranks in the round's header.
 
-Transport (:func:`ring_array`): a CPU bucket of float32/float64 goes over the TCP ring
-(:mod:`distutils_ml.gloo`) where the ranks span hosts and gloo takes it, else through the backend.
+Transport (:func:`ring_array`): a CPU bucket of float32/float64 goes over the gloo transport
+(:mod:`distutils_ml.gloo`) where the ranks span hosts, else through the backend.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ DEFAULT_BUCKET_BYTES = 256 * 1024
 #: The first flat bucket's size when ``bucket_bytes`` is larger (``CutRule.first_capped``).
 FIRST_BUCKET_BYTES = 1 << 20
 NETWORK_BUCKET_BYTES = 4 << 20
-#: The dtypes the TCP ring reduces.
+#: The dtypes of the buckets the gloo transport carries.
 RING_DTYPES = (torch.float32, torch.float64)
 _COMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _STREAMS: dict[Any, Any] = {}
@@ -146,7 +146,7 @@ def default_bucket_bytes(backend: Backend, bucket_bytes: int | None) -> int:
 
 def ring_array(ring: GlooTransport | None, tensor: torch.Tensor, op: ReduceOp) -> np.ndarray | None:
     """The NumPy view of ``tensor`` to send over ``ring`` (the gloo transport across hosts), or None where the
-    backend carries it (no ring, a device tensor, a dtype or op the ring does not reduce)."""
+    backend carries it (no transport, a device tensor, a dtype or op it does not reduce)."""
     if ring is None or tensor.device.type != "cpu" or tensor.dtype not in RING_DTYPES:
         return None
     array = tensor.numpy()

@@ -404,7 +404,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         reduce_scatter(self._backend, rows, op)
 
     def _allgather(self, bucket: Bucket) -> None:
-        """Every rank's piece of ``bucket`` into every rank's flat parameter buffer (over the ring across hosts)."""
+        """Every rank's piece of ``bucket`` into every rank's flat parameter buffer (over gloo across hosts)."""
         rows, rank, ring = bucket.values, self._backend.rank, self._ring
         array = ring_array(ring, rows, ReduceOp.SUM)
         if ring is not None and array is not None:
