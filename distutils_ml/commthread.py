@@ -92,8 +92,10 @@ class CommThread:
                     self._done.notify_all()
 
     def close(self) -> None:
-        """Stop the thread after the jobs already queued."""
+        """Stop the thread after the jobs already queued, and wait for it to end (unless called on it)."""
         self._jobs.put(None)
+        if threading.get_ident() != self.ident:
+            self._thread.join()
 
 
 def current_cuda_device() -> int | None:

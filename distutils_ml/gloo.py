@@ -17,6 +17,10 @@ The transport offers what the bucket machine needs (:func:`distutils_ml.buckets.
   per rank): W-1 steps, each rank sends and receives one W-th of the bucket per step, (W-1)/W in all;
 - ``allgather``: gloo's.
 
+Its sockets are this process's only: a forked child (a DataLoader worker) has them replaced by ``/dev/null`` at the
+fork, so a rank that dies closes its connections at once and its peers learn it then, not when its workers end.
+:meth:`GlooTransport.close` (called by :meth:`Backend.close`, and at exit) ends the group, its threads and sockets.
+
 A call that fails (a timeout, a peer gone) marks the transport broken on that rank: every later call raises,
 naming the first failure, so no later bucket can pair with another bucket of a peer. Every call is shown to the
 backend's stall watchdog (:meth:`Backend.watched`) and counted in ``calls``; in debug mode (``DML_DEBUG``) it is
@@ -32,6 +36,7 @@ import os
 import socket
 import struct
 import uuid
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,12 +60,14 @@ class GlooTransportError(RuntimeError):
 class GlooTransport:
     """A gloo process group over a backend's ranks, for gradient buckets (the module's docstring)."""
 
-    def __init__(self, backend: Backend, group: Any, where: str, store: Any) -> None:
+    def __init__(self, backend: Backend, group: Any, where: str, store: Any, sockets: dict[int, str]) -> None:
         self.size = backend.size
         self.rank = backend.rank
-        self._backend = backend
+        self._backend = weakref.proxy(backend)  # the backend keeps its transport (transport_for), not the reverse
         self._group = group
         self._store = store  # the rendezvous store lives as long as the group
+        #: The group's and the store's sockets in this process: descriptor -> ``socket:[inode]``.
+        self.sockets = sockets
         #: Where this rank's gloo device listens ("address" of the chosen interface).
         self.where = where
         self._broken: str | None = None
@@ -118,8 +125,9 @@ class GlooTransport:
         teardown (where a thread torn down inside C++ aborts the process)."""
         if self._broken is None:
             self._broken = "the transport was closed"
+        _open.discard(self)
         group, self._group = self._group, None
-        self._store = None
+        self._store, self.sockets = None, {}
         if group is not None:
             with contextlib.suppress(Exception):
                 group.shutdown()
@@ -210,6 +218,7 @@ def connect_gloo(backend: Backend, hosts: list[str], ifname_env: str) -> tuple[G
     timeout_s = _timeout(float(getattr(backend, "timeout", 0.0) or 0.0))
     timeout = datetime.timedelta(seconds=timeout_s)
     store, listener = None, None
+    before = _sockets()
     if r == 0 and not why:
         try:
             listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -247,9 +256,54 @@ def connect_gloo(backend: Backend, hosts: list[str], ifname_env: str) -> tuple[G
             with contextlib.suppress(Exception):
                 group.abort()
         return None, "; ".join(f"rank {k}: {w}" for k, w in failed.items())
-    transport = GlooTransport(backend, group, address, store)
-    atexit.register(transport.close)  # after mpi4py's finalizer was registered: runs before it
+    mine = {fd: what for fd, what in _sockets().items() if fd not in before}
+    transport = GlooTransport(backend, group, address, store, mine)
+    _open.add(transport)
+    if not _hooks:  # once per process
+        _hooks.append(True)
+        atexit.register(_close_all)  # after mpi4py's finalizer was registered: runs before it
+        os.register_at_fork(after_in_child=_drop_in_child)
     return transport, ""
+
+
+# The transports not closed yet (weakly: one dropped unclosed is still collected).
+_open: weakref.WeakSet[GlooTransport] = weakref.WeakSet()
+_hooks: list[bool] = []
+
+
+def _close_all() -> None:
+    """At exit: close every transport while the interpreter is whole."""
+    for transport in list(_open):
+        transport.close()
+
+
+def _sockets() -> dict[int, str]:
+    """This process's socket descriptors: fd -> ``socket:[inode]`` (empty where /proc is missing)."""
+    found: dict[int, str] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/self/fd/{name}")
+                if target.startswith("socket:"):
+                    found[int(name)] = target
+    return found
+
+
+def _drop_in_child() -> None:
+    """In a forked child: point every transport's socket descriptors at /dev/null (the numbers stay taken, so
+    nothing the child opens is closed by a stray close), so only the rank itself holds its connections."""
+    transports = list(_open)
+    if not transports:
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for transport in transports:
+            for fd, what in transport.sockets.items():
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/self/fd/{fd}") == what:  # still the transport's (not a reused number)
+                        os.dup2(null, fd)
+    finally:
+        os.close(null)
 
 
 def _timeout(stall: float) -> float:

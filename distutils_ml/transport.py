@@ -14,6 +14,7 @@ store rank 0 opens on the interface ``DML_SOCKET_IFNAME`` names (:mod:`distutils
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 import weakref
@@ -64,8 +65,19 @@ def transport_for(backend: Backend) -> GlooTransport | None:
     """
     if backend in _TRANSPORTS:
         return _TRANSPORTS[backend]
+    if backend.closed:
+        raise RuntimeError(f"{backend!r} is closed: it has no transport")
     transport = _TRANSPORTS[backend] = _connect(backend)
+    backend.on_close(functools.partial(_forget, weakref.ref(backend)))
     return transport
+
+
+def _forget(ref: weakref.ref[Backend]) -> None:
+    """At :meth:`Backend.close`: close the backend's transport."""
+    backend = ref()
+    transport = None if backend is None else _TRANSPORTS.pop(backend, None)
+    if transport is not None:
+        transport.close()
 
 
 def _connect(backend: Backend) -> GlooTransport | None:

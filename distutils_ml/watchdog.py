@@ -28,6 +28,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 __all__ = [
@@ -175,6 +176,16 @@ def reply_window(timeout: float) -> float:
 
 
 _REQUEST, _REPLY = 1, 2
+# The watchdogs running (weakly: a closed backend's is collected), stopped at exit by one handler.
+_running: weakref.WeakSet[MPIWatchdog] = weakref.WeakSet()
+_at_exit: list[bool] = []
+
+
+def _stop_all() -> None:
+    for dog in list(_running):
+        dog.stop()
+
+
 #: A rank's answer: (last started seq, what it is doing, what its collective #N was, what its last one was).
 Status = tuple[int, str, str, str]
 
@@ -198,11 +209,15 @@ class MPIWatchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dml-watchdog", daemon=True)
         self._thread.start()
-        atexit.register(self.stop)  # runs before mpi4py's MPI_Finalize (registered earlier)
+        _running.add(self)
+        if not _at_exit:
+            _at_exit.append(True)
+            atexit.register(_stop_all)  # runs before mpi4py's MPI_Finalize (registered earlier)
 
     def stop(self) -> None:
-        """Stop watching (at exit, before MPI is finalized)."""
+        """Stop watching (at exit, before MPI is finalized, or when the backend is closed)."""
         self._stop.set()
+        _running.discard(self)
         if self._thread is not threading.current_thread():
             self._thread.join(self.poll + 1.0)
 

@@ -125,3 +125,28 @@ def test_object_broadcast_returns_roots_object() -> None:
         return b._bcast_object({"rank": dml.local_rank(b), "s": "x" * dml.local_rank(b)}, root=2)
 
     assert dml.LocalBackend.spawn(3, fn) == [{"rank": 2, "s": "xx"}] * 3
+
+
+def test_close_ends_the_communication_thread_runs_callbacks_and_refuses_later_calls() -> None:
+    order: list[tuple[int, str]] = []
+
+    def body(backend: dml.Backend) -> tuple[bool, bool]:
+        ran = []
+        backend.comm_thread().submit(lambda: ran.append(dml.allreduce(backend, np.ones(2), dml.SUM)))
+        backend.on_close(lambda: order.append((backend.rank, "first registered")))
+        backend.on_close(lambda: order.append((backend.rank, "last registered")))
+        backend.close()  # after the queued job: it ran
+        backend.close()  # nothing more
+        assert ran and (ran[0] == 2).all(), ran
+        for call in (lambda: dml.allreduce(backend, np.ones(2), dml.SUM), lambda: dml.barrier(backend)):
+            with pytest.raises(RuntimeError, match="was closed"):
+                call()
+        with pytest.raises(RuntimeError, match="is closed"):
+            backend.comm_thread()
+        with pytest.raises(RuntimeError, match="is closed"):
+            backend.on_close(lambda: None)
+        return backend.closed, any(t.name == f"dml-comm-{backend.rank}" for t in threading.enumerate())
+
+    assert dml.LocalBackend.spawn(2, body) == [(True, False), (True, False)]
+    for rank in range(2):
+        assert [what for r, what in order if r == rank] == ["last registered", "first registered"], order

@@ -44,6 +44,22 @@ def test_a_bucket_failing_mid_backward_ends_the_job_before_any_step(ranks: int) 
 
 
 @requires_mpi
+def test_closing_100_backends_with_transports_leaks_no_descriptor_or_thread() -> None:
+    job = run_mpi(2, ["tests/transport_job.py", "close"], envs=[{"DML_TRANSPORT": "gloo"}] * 2, timeout=180)
+    assert job.returncode == 0, job.output[-8000:]
+    assert job.output.count("100 backends closed, nothing left open") == 2, job.output[-8000:]
+
+
+@requires_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_dataloader_workers_do_not_hold_the_transports_sockets(ranks: int) -> None:
+    envs = [{"DML_TRANSPORT": "gloo", "DML_TIMEOUT": "0", "DML_GLOO_TIMEOUT": "60"}] * ranks
+    job = run_mpi(ranks, ["tests/transport_job.py", "fork"], envs=envs, timeout=120)
+    assert job.returncode == 0, job.output[-8000:]
+    assert job.output.count("workers hold no transport socket") == ranks, job.output[-8000:]
+
+
+@requires_mpi
 def test_gloo_on_an_interface_that_does_not_exist_is_an_error_on_every_rank() -> None:
     envs = [{"DML_TRANSPORT": "gloo", "DML_SOCKET_IFNAME": "nosuch0"}] * 2
     job = run_mpi(2, ["tests/transport_job.py", "fallback"], envs=envs, timeout=120)

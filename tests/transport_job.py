@@ -11,6 +11,8 @@ rank's bucket fails mid-backward. Rank 0 ends with ``TRANSPORT CHECKS PASSED``.
 from __future__ import annotations
 
 import faulthandler
+import gc
+import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -243,6 +245,107 @@ def debug_body(world: dml.Backend) -> str:
     return "caught"
 
 
+def _counts() -> tuple[int, int]:
+    """(open file descriptors, threads: the kernel's, so gloo's C++ threads count) of this process."""
+    gc.collect()
+    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
+def close_body(world: dml.Backend, loops: int = 100) -> str:
+    """Backends (duplicates of the world's communicator) with a gloo transport, their communication thread and
+    stall watchdog, made, used and closed in a loop: no descriptor or thread is left behind; a closed backend
+    and its transport refuse every later call."""
+    from distutils_ml.gloo import GlooTransportError
+
+    def once() -> None:
+        backend = world.duplicate()
+        ring = transport_for(backend)
+        assert ring is not None and ring.sockets, ring
+        x = np.ones(1000, np.float32)
+        ring.allreduce(x, ReduceOp.SUM)
+        assert (x == world.size).all(), x
+        backend.comm_thread().submit(lambda: ring.allreduce(x, ReduceOp.SUM))
+        y = dml.allreduce(backend, np.ones(4), dml.SUM)  # waits for the job queued on the communication thread
+        assert (y == world.size).all() and (x == world.size**2).all(), (y, x)
+        backend.close()
+        backend.close()  # a second close does nothing
+        for call in (lambda: dml.allreduce(backend, np.ones(4), dml.SUM), lambda: dml.barrier(backend)):
+            try:
+                call()
+            except RuntimeError as e:
+                assert "was closed" in str(e), e
+            else:
+                raise AssertionError("a closed backend made a collective")
+        try:
+            ring.allreduce(x, ReduceOp.SUM)
+        except GlooTransportError as e:
+            assert "closed" in str(e), e
+        else:
+            raise AssertionError("a closed transport made a call")
+
+    once()
+    once()  # warm: what is made once per process (MPI's and torch's own threads) exists now
+    before = _counts()
+    for _ in range(loops):
+        once()
+    dml.barrier(world)
+    after = _counts()
+    assert after == before, f"(fds, threads) before {before}, after {loops} backends made and closed {after}"
+    return f"{loops} backends closed, nothing left open"
+
+
+def _inherited_sockets(_: int) -> list[str]:
+    """In a DataLoader worker: the sockets this process holds."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            found.append(target)
+    return found
+
+
+def fork_body(world: dml.Backend) -> str:
+    """A forked DataLoader worker does not hold the transport's sockets (a socket of the rank's own does reach it:
+    the check sees inherited sockets), so when a rank's transport ends while its workers live, its peers learn it
+    at once rather than at gloo's timeout."""
+    import socket
+    import time
+
+    from distutils_ml.gloo import GlooTransportError
+
+    backend = world.duplicate()
+    ring = transport_for(backend)
+    assert ring is not None
+    mine = socket.socket()  # a socket of the rank's, not the transport's: workers inherit it
+    loader = torch.utils.data.DataLoader(
+        list(range(4)), batch_size=1, num_workers=2, persistent_workers=True, collate_fn=_inherited_sockets
+    )
+    seen = {s for batch in loader for s in batch}
+    owned = set(ring.sockets.values())
+    assert owned and f"socket:[{os.fstat(mine.fileno()).st_ino}]" in seen, (owned, seen)
+    assert not owned & seen, f"DataLoader workers hold the transport's sockets {sorted(owned & seen)}"
+    dml.barrier(world)
+    last = world.size - 1
+    if world.rank == last:
+        ring.close()  # its workers are alive: what they hold would keep the connections open
+    else:
+        start = time.monotonic()
+        try:
+            ring.allreduce(np.ones(8, np.float32), ReduceOp.SUM)
+        except GlooTransportError:
+            waited = time.monotonic() - start
+            assert waited < 10, f"the peers learned that rank {last}'s transport ended after {waited:.1f} s"
+        else:
+            raise AssertionError("a call with a closed peer succeeded")
+    mine.close()
+    del loader
+    backend.close()
+    return "workers hold no transport socket"
+
+
 def main(names: list[str]) -> None:
     faulthandler.register(signal.SIGUSR1)  # the test runner asks for stacks before killing a hung job
     dml.initialize(dml.MPIBackend)
@@ -255,6 +358,8 @@ def main(names: list[str]) -> None:
         "debug": lambda: dml.print(world, debug_body(world)),
         "bucket_fails": lambda: bucket_fails_body(world),
         "fallback": lambda: dml.print(world, fallback_body(world)),
+        "close": lambda: dml.print(world, close_body(world)),
+        "fork": lambda: dml.print(world, fork_body(world)),
     }
     run_checks(world, names, "TRANSPORT CHECKS PASSED", lambda name: checks[name]())
 

@@ -104,6 +104,8 @@ class Backend(abc.ABC):
         self._entry = threading.RLock()
         # The communication thread (distutils_ml.commthread.CommThread), started at the first comm_thread().
         self._comm: Any = None
+        # What close() runs (on_close), last registered first; None once closed.
+        self._closers: list[Callable[[], Any]] | None = []
 
     def _enter(self, caller: str) -> None:
         """Claim this backend for the calling thread, or raise if another thread is inside a collective.
@@ -134,6 +136,8 @@ class Backend(abc.ABC):
         first call: jobs submitted to it run one after another, each holding the backend as a collective does."""
         comm = self._comm
         if comm is None:
+            if self._closers is None:
+                raise RuntimeError(f"{self!r} is closed: it has no communication thread")
             with _COMM_LOCK:
                 comm = self._comm
                 if comm is None:
@@ -148,6 +152,45 @@ class Backend(abc.ABC):
         if self._comm is not None:
             self._comm.wait(errors=errors)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closers is None
+
+    def on_close(self, callback: Callable[[], Any]) -> None:
+        """Have :meth:`close` call ``callback()`` (a layer's resources tied to this backend: a transport, say);
+        callbacks run last registered first, each once."""
+        if self._closers is None:
+            raise RuntimeError(f"{self!r} is closed")
+        self._closers.append(callback)
+
+    def close(self) -> None:
+        """Release this backend: its communication thread (after the jobs queued on it), what was registered with
+        :meth:`on_close` (its gloo transport), then the backend's own resources (the stall watchdog's thread and
+        communicator; a communicator it made itself, as :meth:`duplicate`'s). A collective on every rank, in the
+        same order everywhere, like the backend's other calls; a second call does nothing. Every later collective
+        on it raises ``RuntimeError`` before it sends anything. Close the world backend only at the end of the job
+        (``dml.initialize`` does not make another)."""
+        closers = self._closers
+        if closers is None:
+            return
+        self._closers = None
+        comm = self._comm
+        try:
+            if comm is not None:
+                comm.wait(errors=False)
+                comm.close()
+                self._comm = None
+            for callback in reversed(closers):
+                callback()
+            self._release()
+        finally:
+            for name in OBSERVED:  # instance attributes: the hot path pays nothing for this check
+                setattr(self, name, functools.partial(_closed, self, name))
+
+    def _release(self) -> None:  # noqa: B027 - optional: backends without resources of their own keep this no-op
+        """Free what this backend holds itself (:meth:`close`, after its callbacks)."""
+
     @contextlib.contextmanager
     def watched(self, kind: str, array: np.ndarray, op: ReduceOp | None) -> Iterator[None]:
         """Show a collective this backend does not make itself (one over a TCP ring, say) to its stall watchdog
@@ -161,6 +204,8 @@ class Backend(abc.ABC):
         ``original`` the bound primitive, which ``observer`` calls (or not) and whose result it returns. For
         layers that must see every message this backend sends in order (``dml.join``); one observer at a time.
         """
+        if self._closers is None:
+            raise RuntimeError(f"{self!r} is closed")
         for name in OBSERVED:
             if observer is None:
                 self.__dict__.pop(name, None)
@@ -277,6 +322,13 @@ OBSERVED = (
     "_device_collective",
     "_check_call",
 )
+
+
+def _closed(backend: Backend, name: str, *args: Any, **kwargs: Any) -> NoReturn:
+    raise RuntimeError(
+        f"{backend!r} was closed (Backend.close()); its {name.lstrip('_')} cannot run. Make collectives on an open "
+        "backend: close one only when the job is done with it"
+    )
 
 
 def busy(backend: Backend, caller: str) -> RuntimeError:

@@ -200,6 +200,7 @@ class MPIBackend(Backend):
             )
             self.timeout = 0.0
         self._watchdog = MPIWatchdog(self, self.comm.Dup(), self.timeout) if self.timeout > 0 else None
+        self._owns_comm = False  # a communicator this backend made (duplicate()): freed by close()
 
     def _begin(self, kind: str, arr: np.ndarray | None, op: ReduceOp | None = None, root: int = -1) -> None:
         """Number this collective and show it to the watchdog."""
@@ -258,7 +259,7 @@ class MPIBackend(Backend):
                 self._inflight = None
         finally:
             self._leave()
-        return MPIBackend(
+        made = MPIBackend(
             comm,
             segment_bytes=self.segment_bytes,
             fail_fast=False,  # the process's hook is installed once, by the first backend
@@ -266,6 +267,21 @@ class MPIBackend(Backend):
             gpu_aware=self.takes_device_buffers,
             debug=self.debug,
         )
+        made._owns_comm = True
+        return made
+
+    def _release(self) -> None:
+        """Stop the stall watchdog and free its communicator, and the backend's own if it made it (duplicate()).
+        ``MPI.COMM_WORLD`` and a communicator passed in are the caller's: left alone."""
+        dog, self._watchdog = self._watchdog, None
+        if self._MPI.Is_finalized():
+            return
+        if dog is not None:
+            dog.stop()
+            dog.comm.Free()
+        if self._owns_comm:
+            self._owns_comm = False
+            self.comm.Free()
 
     @property
     def MPI(self) -> Any:

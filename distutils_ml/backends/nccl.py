@@ -205,6 +205,7 @@ class NCCLBackend(Backend):
             initialize(MPIBackend, **mpi_options)
             mpi_backend = get_distributed_backend(MPIBackend)
         self.mpi = mpi_backend
+        self._owns_mpi = False  # an MPI backend made for this one (duplicate()): closed with it
         self.debug = mpi_backend.debug
         #: Whether several ranks may drive one GPU (a rehearsal on one GPU).
         self.share_device = share
@@ -270,7 +271,15 @@ class NCCLBackend(Backend):
         """A new ``NCCLBackend`` on this rank's GPU, over a new NCCL communicator bootstrapped on a duplicate of
         this one's MPI communicator (a collective on every rank)."""
         with torch.cuda.device(self.device):
-            return NCCLBackend(mpi_backend=self.mpi.duplicate(), cuda_devices=False, share_device=self.share_device)
+            made = NCCLBackend(mpi_backend=self.mpi.duplicate(), cuda_devices=False, share_device=self.share_device)
+        made._owns_mpi = True
+        return made
+
+    def _release(self) -> None:
+        """Destroy the NCCL communicator, then close the MPI backend if this one made it (duplicate())."""
+        _destroy(weakref.ref(self))
+        if self._owns_mpi:
+            self.mpi.close()
 
     def _allreduce(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, op: ReduceOp) -> None:
         self.mpi._allreduce(sendbuf, recvbuf, op)
