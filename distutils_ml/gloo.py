@@ -217,20 +217,24 @@ def connect_gloo(backend: Backend, hosts: list[str], ifname_env: str) -> tuple[G
     address, why = _my_address(ifname_env, one_host)
     timeout_s = _timeout(float(getattr(backend, "timeout", 0.0) or 0.0))
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, listener = None, None
+    store, port = None, 0
     before = _sockets()
     if r == 0 and not why:
+        fd = -1
         try:
-            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            listener.bind((address, 0))  # only the chosen interface listens
-            listener.listen(max(W, 8))
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+                listener.bind((address, 0))  # only the chosen interface listens
+                listener.listen(max(W, 8))
+                port = listener.getsockname()[1]
+                fd = listener.detach()  # the store takes the descriptor itself and closes it when it ends
             store = torch.distributed.TCPStore(
-                address, listener.getsockname()[1], W, True, timeout,
-                wait_for_workers=False, master_listen_fd=listener.fileno(),
-            )  # fmt: skip
+                address, port, W, True, timeout, wait_for_workers=False, master_listen_fd=fd
+            )
         except Exception as e:  # reported through the broadcast: every rank fails alike
+            if fd >= 0 and store is None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
             why = f"rank 0 could not open the rendezvous store on {address}: {type(e).__name__}: {e}"
-    port = listener.getsockname()[1] if listener is not None else 0
     where = bcast_object(backend, (address, port, uuid.uuid4().hex, why) if r == 0 else None)
     if where[3]:
         return None, where[3]
@@ -248,8 +252,6 @@ def connect_gloo(backend: Backend, hosts: list[str], ifname_env: str) -> tuple[G
         except Exception as e:
             problem = f"{type(e).__name__}: {e}"
     outcome = allgather_object(backend, problem)
-    if listener is not None:
-        listener.close()  # the store keeps its own descriptor
     failed = {k: w for k, w in enumerate(outcome) if w}
     if failed:
         if group is not None:

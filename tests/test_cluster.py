@@ -4,16 +4,23 @@ Two layouts, 2 nodes x 2 ranks and 3 nodes x 1 rank, joined by a bridge over TCP
 placement relies on (node_local_rank, node_size), every collective across the link
 (segmented 64 MiB included), synchronize / DistributedOptimizer / allreduce_gradients
 bit-identical across ranks and equal to one process, ``distutils-ml launch --hostfile``,
-the launcher's DML_* forwarding, and faults on the second node: a SIGKILL, an exception and
-a pulled cable end the job with a failure status, naming the missing ranks and their host.
+the launcher's DML_* forwarding, faults on the second node: a SIGKILL, an exception and
+a pulled cable end the job with a failure status, naming the missing ranks and their host, and
+a stray client (tests/stray_client.py: port scans, garbage, silent connections to every
+listener) that neither hangs, slows nor corrupts a job whose buckets go over gloo.
 
 Needs root and ``ip netns`` (CI has both); elsewhere every test skips with the reason.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -188,3 +195,95 @@ def test_a_pulled_cable_ends_the_job_with_a_failure_naming_the_lost_node(two_by_
     assert any(text in run.output for text in named), run.output[-8000:]
     after = _seconds_after_fault(run)
     assert after < STALL + 10, f"ended {after:.1f} s after the cable was pulled"
+
+
+GLOO = ["-x", "DML_TRANSPORT=gloo", "-x", "DML_SOCKET_IFNAME=eth0"]
+STRAY_CHECKS = ["ring", "buckets"]  # bit for bit against the exact sums; a model's buckets over gloo
+STRAY_SLOWER_S = 20  # a stray client may cost this much more than the baseline: a hang or a stall costs more
+_HIT = re.compile(r"STRAY HIT (\S+):(\d+) \(bound to (\S+)\) at \S+ s by \S+: (.*)")
+
+
+@pytest.mark.timeout(480)
+def test_a_stray_client_neither_hangs_slows_nor_corrupts_a_gloo_job(two_by_two: cluster.Cluster) -> None:
+    """Port scans, garbage and silent connections to every listener on every node, before and during a 2x2 job
+    whose buckets go over gloo (its store and pairs included): the job passes its checks, in about the time it
+    takes alone; or, as issue 23 allows, setup fails with a clear error on every rank."""
+    c = two_by_two
+    argv = [*c.mpiexec_argv(4), *EXPORTS, *GLOO, PYTHON, str(TESTS / "transport_job.py"), *STRAY_CHECKS]
+    passed = f"TRANSPORT CHECKS PASSED: {' '.join(STRAY_CHECKS)} on 4 ranks"
+    baseline = c.run(argv, timeout=180, cwd=ROOT)
+    assert baseline.returncode == 0 and passed in baseline.output, baseline.output[-8000:]
+    with _stray_client(c) as stray:
+        run = c.run(argv, timeout=180, cwd=ROOT)
+    said = "".join(stray)
+    print(f"alone {baseline.seconds:.1f} s, with a stray client {run.seconds:.1f} s (exit {run.returncode})\n{said}")
+    assert run.returncode is not None, f"hung with a stray client:\n{said}\n{run.output[-8000:]}"
+    if run.returncode == 0:
+        assert passed in run.output, f"{said}\n{run.output[-8000:]}"
+        slower = run.seconds - baseline.seconds
+        assert slower < STRAY_SLOWER_S, (
+            f"{run.seconds:.1f} s with a stray client, {baseline.seconds:.1f} s alone\n{said}"
+        )
+    else:  # setup refused: a clear error on every rank
+        failed = set(re.findall(r"\[rank (\d)\] distutils_ml: uncaught exception", run.output))
+        clear = run.output.count("the ranks could not make their gloo group")
+        assert failed == {"0", "1", "2", "3"} and clear >= 4, f"{said}\n{run.output[-8000:]}"
+    assert "STRAY DONE" in said, said
+    for node, address in enumerate(c.addresses):
+        # The gloo transport's listeners (its store on node 0, which listens for the whole job, and every rank's
+        # pair listener) are bound to the node's address (DML_SOCKET_IFNAME); Open MPI's to any address. Each was
+        # scanned, sent garbage, held silent.
+        hit = [m for m in _HIT.finditer(said) if m[1] == address and m[3] == address]
+        full = [m for m in hit if m[4] == "silent ok, garbage ok, scan ok"]
+        assert len(full) >= c.slots + (node == 0), f"node {node}: the gloo listeners were not all hit\n{said}"
+
+
+@contextlib.contextmanager
+def _stray_client(c: cluster.Cluster) -> Iterator[list[str]]:
+    """tests/stray_client.py on node 1, hitting the listeners of every node until the block ends; its lines (the
+    list is complete after the block)."""
+    sentinels = [c.popen(["sleep", "3600"], node=k) for k in range(c.nodes)]  # whose /proc/PID/net is the node's
+    lines: list[str] = []
+    stray: subprocess.Popen[str] | None = None
+    reader: threading.Thread | None = None
+    try:
+        for k, sentinel in enumerate(sentinels):
+            _wait_for_namespace(sentinel.pid, c.namespaces[k])
+        nodes = [f"{s.pid}={address}" for s, address in zip(sentinels, c.addresses, strict=True)]
+        stray = c.popen([PYTHON, str(TESTS / "stray_client.py"), *nodes], node=1)
+        out = stray.stdout
+        assert out is not None
+
+        def read() -> None:
+            for line in out:
+                lines.append(line)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 30
+        while not any(line.startswith("STRAY READY") for line in lines):
+            assert stray.poll() is None and time.monotonic() < deadline, f"the stray client did not start: {lines}"
+            time.sleep(0.05)
+        yield lines
+    finally:
+        if stray is not None:
+            stray.terminate()
+            try:
+                stray.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                stray.kill()
+                stray.wait()
+        if reader is not None:
+            reader.join(timeout=5)
+        for sentinel in sentinels:
+            sentinel.kill()
+            sentinel.wait()
+
+
+def _wait_for_namespace(pid: int, namespace: str, timeout: float = 10) -> None:
+    """Until process ``pid`` is in network namespace ``namespace`` (``ip netns exec`` entered it)."""
+    want = os.stat(f"/run/netns/{namespace}").st_ino
+    deadline = time.monotonic() + timeout
+    while os.stat(f"/proc/{pid}/ns/net").st_ino != want:
+        assert time.monotonic() < deadline, f"process {pid} did not enter {namespace}"
+        time.sleep(0.01)
