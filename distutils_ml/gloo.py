@@ -15,7 +15,9 @@ The transport offers what the bucket machine needs (:func:`distutils_ml.buckets.
   bit-identical everywhere);
 - ``reduce_scatter``: a ring over gloo's ``send``/``recv`` (gloo's own reduce-scatter costs about one allreduce
   per rank): W-1 steps, each rank sends and receives one W-th of the bucket per step, (W-1)/W in all;
-- ``allgather``: gloo's.
+- ``allgather``: a ring over the same calls, W-1 steps, each passing on the row received last. gloo's own
+  allgather took 1.6-1.8x the link's time for 32 MiB per rank on a 1 Gbit/s, 1 ms link, and the calls after it
+  ran at half the link's rate; the ring moves the same bytes at the link's rate.
 
 Its sockets are this process's only: a forked child (a DataLoader worker) has them replaced by ``/dev/null`` at the
 fork, so a rank that dies closes its connections at once and its peers learn it then, not when its workers end.
@@ -116,8 +118,11 @@ class GlooTransport:
                 np.copyto(rows[self.rank], mine)
             return
         with self._call("allgather", sendbuf, None):
-            source = torch.from_numpy(mine.copy() if mine.ctypes.data == rows[self.rank].ctypes.data else mine)
-            self._group.allgather([[torch.from_numpy(row) for row in rows]], [source]).wait()
+            if mine.ctypes.data != rows[self.rank].ctypes.data:
+                np.copyto(rows[self.rank], mine)
+            W, r = self.size, self.rank
+            for s in range(W - 1):  # pass along the row received last: every row goes once around the ring
+                self._exchange(rows[(r - s) % W], (r + 1) % W, rows[(r - s - 1) % W], (r - 1) % W)
 
     def close(self) -> None:
         """End the group (its threads and sockets) and the store; later calls raise. Called at exit for every
@@ -173,11 +178,7 @@ class GlooTransport:
         sending = rows[(r - 1) % W]
         for s in range(W - 1):
             got = bufs[s % 2]
-            tag = self._next_tag()
-            send = self._group.send([torch.from_numpy(sending)], right, tag)
-            recv = self._group.recv([torch.from_numpy(got)], left, tag)
-            recv.wait()
-            send.wait()
+            self._exchange(sending, right, got, left)
             own = rows[(r - s - 2) % W]
             if s == W - 2:
                 ufunc(got, own, out=out)  # out may be own (this rank's row): element by element, in place
@@ -186,6 +187,16 @@ class GlooTransport:
                 sending = got
         if op is ReduceOp.AVG:
             np.divide(out, W, out=out)
+
+    def _exchange(self, send: np.ndarray, to: int, into: np.ndarray, source: int) -> None:
+        """Send ``send`` to rank ``to`` while receiving ``into`` from rank ``source``. The receive is posted first:
+        data that reaches gloo before its receive is posted takes a slow path (measured on a 1 Gbit/s, 1 ms link:
+        32 MiB each way took 0.56 s with the send posted first, 0.28 s, the link's rate, with the receive first)."""
+        tag = self._next_tag()
+        recv = self._group.recv([torch.from_numpy(into)], source, tag)
+        sent = self._group.send([torch.from_numpy(send)], to, tag)
+        recv.wait()
+        sent.wait()
 
     def _next_tag(self) -> int:
         self._tag = (self._tag + 1) % (1 << 30)
