@@ -33,6 +33,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+import timeline  # noqa: E402 - benchmarks/timeline.py (beside this script)
+
 import cluster  # noqa: E402 - tests/cluster.py, found through the path above
 import delayline  # noqa: E402
 
@@ -165,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-steps", action="store_true", help="the allreduce comparison only")
     ap.add_argument("--dml-buckets", default="", help="benchmarks/ddp.py's --dml-buckets (dml_bb<S> contenders)")
     ap.add_argument("--json-dir", default="benchmarks/results", help="where each job's JSON goes")
+    ap.add_argument("--timeline", action="store_true", help="also benchmarks/timeline.py, unsharded and sharded")
     args = ap.parse_args(argv)
     reason = cluster.unavailable() or delayline.missing_requirements(need_tc=True)
     if reason:
@@ -189,10 +192,18 @@ def main(argv: list[str] | None = None) -> int:
                               *(["--dml-buckets", args.dml_buckets] if args.dml_buckets else [])],
                 out / f"network-ddp-{tag}.json", timeout=900,
             )  # fmt: skip
+            lines = []
+            for shard in [[], ["--shard"]] if args.timeline else []:
+                res = mpi_job(
+                    c, "timeline.py", ["--models", args.models, "--batch", str(args.batch), "--opt", args.opt, *shard],
+                    out / f"network-timeline-{tag}{'-shard' if shard else ''}.json", timeout=900,
+                )  # fmt: skip
+                lines += [timeline.describe(r) for r in res["results"]]
         tables += [f"### {label}\n\nThe link alone: {_probe_text(alone)}.", allreduce_table(label, rate, ar)]
         tables += [step_table(label, st, model_comm(ar, st))] if st and "ddp_gloo" in args.only else []
         sharded = shard_table(label, st) if st else None
         tables += [sharded] if sharded else []
+        tables += ["```text\n" + "\n".join(lines) + "\n```"] if args.timeline else []
         tables.append(f"({time.monotonic() - start:.0f} s)")
     print("\n\n".join(tables))
     return 0

@@ -33,6 +33,7 @@ loaded in :mod:`distutils_ml.sharded_state`.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -171,6 +172,8 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         self._head = torch.zeros(self._backend.size, len(params) + 1 + 3 * len(layout.buckets), dtype=torch.float64)
         self._scratch.clear()
         self._inner = self._shard_optimizer(layout.pieces)
+        self._piece_index = {id(pc.tensor): pc.index for pc in layout.pieces}
+        self._pieces_by_bucket: list[list[list[torch.Tensor]]] | None = None  # per bucket, per group: its pieces
         self._scatter_state()
         for handle in self._hooks:
             handle.remove()
@@ -533,12 +536,41 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
             else:
                 pc.tensor.grad = self._params[pc.index].grad
         self._sync_hyper()
-        self._inner.step()
         if self._backend.size == 1:
+            self._inner.step()
             return
+        if self._ring is not None and self._overlap:
+            self._step_and_allgather_by_bucket()
+            return
+        self._inner.step()
         with exclusive(self._backend, "DistributedOptimizer.step"):
             for b in self._buckets:
                 self._allgather(b)
+
+    def _step_and_allgather_by_bucket(self) -> None:
+        """Across hosts (gloo, whose waits sleep): step bucket k's pieces, then allgather bucket k on the
+        communication thread while the next bucket's pieces are stepped. The shard optimizer is elementwise, so
+        stepping its pieces bucket by bucket computes what one step over all of them does, bit for bit."""
+        groups = self._inner.param_groups
+        every = [group["params"] for group in groups]
+        if self._pieces_by_bucket is None:
+            of_bucket = [[[] for _ in groups] for _ in self._buckets]
+            for g, params in enumerate(every):
+                for t in params:
+                    of_bucket[self._bucket_of[self._piece_index[id(t)]]][g].append(t)
+            self._pieces_by_bucket = of_bucket
+        worker = self._backend.comm_thread()
+        try:
+            for bucket, members in zip(self._buckets, self._pieces_by_bucket, strict=True):
+                if any(members):
+                    for group, params in zip(groups, members, strict=True):
+                        group["params"] = params
+                    self._inner.step()
+                worker.submit(functools.partial(self._allgather, bucket))
+        finally:
+            for group, params in zip(groups, every, strict=True):
+                group["params"] = params
+        self._backend.wait_for_comm_thread()
 
     # -- state ---------------------------------------------------------------------------------
 

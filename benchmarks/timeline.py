@@ -1,0 +1,172 @@
+"""Where a training step's time goes across hosts: a timeline of DistributedOptimizer steps over the gloo transport.
+
+Run under mpiexec (``benchmarks/network.py --timeline MODELS`` runs it on the shaped two-node link)::
+
+    mpiexec -n 2 python benchmarks/timeline.py --models mlp25m [--steps 6] [--batch 64] [--opt sgd] [--shard]
+
+For each model, after 2 warm-up steps, it times on rank 0 (ms from the start of the step): the end of forward,
+each transport call of the gradient buckets (made on the communication thread: its kind, bytes, start and end),
+the return of ``backward()`` and the end of ``step()``. It also times the same step with no communication
+(``compute``: forward, backward, optimizer step) and one transport allreduce of all the gradients' bytes
+(``comm``), and reports the step against ``max(compute, comm)``. Medians over the timed steps; the timeline
+printed is the step whose length is the median. ``--json PATH`` writes everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ddp import MODELS, build_model  # benchmarks/ddp.py: the same models
+
+
+def _instrument(calls: list[tuple[str, int, float, float]]) -> None:
+    """Record every transport call (kind, bytes, start, end) into ``calls``."""
+    from distutils_ml.gloo import GlooTransport
+
+    for kind in ("allreduce", "reduce_scatter", "allgather"):
+        original = getattr(GlooTransport, kind)
+
+        def timed(self: Any, *args: Any, _original: Any = original, _kind: str = kind) -> None:
+            start = time.perf_counter()
+            try:
+                _original(self, *args)
+            finally:
+                calls.append((_kind, int(args[0].nbytes), start, time.perf_counter()))
+
+        setattr(GlooTransport, kind, timed)
+
+
+def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    import distutils_ml as dml
+    from distutils_ml.transport import transport_for
+
+    backend = dml.get_distributed_backend(dml.MPIBackend)
+    torch.manual_seed(0)
+    widths = MODELS[name]
+    model = dml.synchronize(backend, build_model(widths))
+    make = (lambda ps: torch.optim.Adam(ps, lr=1e-3)) if args.opt == "adam" else (
+        lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)
+    )  # fmt: skip
+    opt = dml.DistributedOptimizer(backend, make(model.parameters()), shard_state=args.shard)
+    local = build_model(widths)
+    local.load_state_dict(model.state_dict())
+    local_opt = make(local.parameters())
+    gen = torch.Generator().manual_seed(1 + backend.rank)
+    x = torch.randn(args.batch, widths[0], generator=gen)
+    y = torch.randint(0, widths[-1], (args.batch,), generator=gen)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    calls: list[tuple[str, int, float, float]] = []
+    _instrument(calls)
+    ring = transport_for(backend)
+    steps, compute, comm = [], [], []
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for i in range(2 + args.steps):
+        dml.barrier(backend)
+        calls.clear()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        t_fwd = time.perf_counter()
+        loss.backward()
+        t_bwd = time.perf_counter()
+        opt.step()
+        t_end = time.perf_counter()
+        timeline = {
+            "forward": t_fwd - t0,
+            "backward_returns": t_bwd - t0,
+            "step_ends": t_end - t0,
+            "calls": [(k, b, s - t0, e - t0) for k, b, s, e in calls],
+        }
+        dml.barrier(backend)
+        t1 = time.perf_counter()
+        local_opt.zero_grad()
+        loss_fn(local(x), y).backward()
+        local_opt.step()
+        t_compute = time.perf_counter() - t1
+        dml.barrier(backend)
+        flat = np.ones(grad_bytes // 4, np.float32)
+        t2 = time.perf_counter()
+        if ring is not None:
+            ring.allreduce(flat, dml.SUM)
+        else:
+            dml.allreduce(backend, flat, dml.SUM)
+        t_comm = time.perf_counter() - t2
+        if i >= 2:
+            steps.append(timeline)
+            compute.append(t_compute)
+            comm.append(t_comm)
+    lengths = [s["step_ends"] for s in steps]
+    median = sorted(range(len(steps)), key=lambda k: lengths[k])[len(steps) // 2]
+    step, comp, com = statistics.median(lengths), statistics.median(compute), statistics.median(comm)
+    return {
+        "model": name,
+        "params": sum(p.numel() for p in model.parameters()),
+        "grad_bytes": grad_bytes,
+        "transport": "gloo" if ring is not None else "backend",
+        "overlap": opt.overlap,
+        "sharded": args.shard,
+        "step_s": step,
+        "compute_s": comp,
+        "comm_s": com,
+        "step_over_max": step / max(comp, com),
+        "median_step": steps[median],
+        "steps": steps,
+    }
+
+
+def describe(res: dict[str, Any]) -> str:
+    ms = lambda s: f"{s * 1e3:.0f}"  # noqa: E731
+    tl = res["median_step"]
+    parts = [f"forward ends {ms(tl['forward'])}"]
+    for kind, nbytes, start, end in tl["calls"]:
+        parts.append(f"{kind} {nbytes / 2**20:.2f} MiB {ms(start)}-{ms(end)}")
+    parts += [f"backward returns {ms(tl['backward_returns'])}", f"step ends {ms(tl['step_ends'])}"]
+    busy = sum(end - start for _, _, start, end in tl["calls"])
+    return (
+        f"{res['model']} ({res['params'] / 1e6:.1f} M, {res['grad_bytes'] / 2**20:.1f} MiB of gradients, "
+        f"{'sharded' if res['sharded'] else 'unsharded'}, transport {res['transport']}, overlap {res['overlap']}): "
+        f"step {ms(res['step_s'])} ms, compute {ms(res['compute_s'])} ms, comm {ms(res['comm_s'])} ms, "
+        f"step / max(compute, comm) = {res['step_over_max']:.2f}; in transport calls {ms(busy)} ms\n"
+        f"  {' | '.join(parts)}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="mlp2m,deep36,mlp25m")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--opt", choices=["sgd", "adam"], default="sgd")
+    ap.add_argument("--shard", action="store_true", help="shard_state=True")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    import torch
+
+    import distutils_ml as dml
+
+    torch.set_num_threads(args.threads)
+    dml.initialize(dml.MPIBackend)
+    backend = dml.get_distributed_backend(dml.MPIBackend)
+    results = [run_model(name, args) for name in args.models.split(",")]
+    if backend.rank == 0:
+        for res in results:
+            print(describe(res), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
