@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-steps", action="store_true", help="the allreduce comparison only")
     ap.add_argument("--dml-buckets", default="", help="benchmarks/ddp.py's --dml-buckets (dml_bb<S> contenders)")
     ap.add_argument("--json-dir", default="benchmarks/results", help="where each job's JSON goes")
-    ap.add_argument("--timeline", action="store_true", help="also benchmarks/timeline.py, unsharded and sharded")
+    ap.add_argument("--timeline", action="store_true", help="also benchmarks/timeline.py (3 forms)")
     args = ap.parse_args(argv)
     reason = cluster.unavailable() or delayline.missing_requirements(need_tc=True)
     if reason:
@@ -193,10 +193,11 @@ def main(argv: list[str] | None = None) -> int:
                 out / f"network-ddp-{tag}.json", timeout=900,
             )  # fmt: skip
             lines = []
-            for shard in [[], ["--shard"]] if args.timeline else []:
+            for extra in [[], ["--step-during-backward"], ["--shard"]] if args.timeline else []:
+                suffix = extra[0].replace("--", "-") if extra else ""
                 res = mpi_job(
-                    c, "timeline.py", ["--models", args.models, "--batch", str(args.batch), "--opt", args.opt, *shard],
-                    out / f"network-timeline-{tag}{'-shard' if shard else ''}.json", timeout=900,
+                    c, "timeline.py", ["--models", args.models, "--batch", str(args.batch), "--opt", args.opt, *extra],
+                    out / f"network-timeline-{tag}{suffix}.json", timeout=900,
                 )  # fmt: skip
                 lines += [timeline.describe(r) for r in res["results"]]
         tables += [f"### {label}\n\nThe link alone: {_probe_text(alone)}.", allreduce_table(label, rate, ar)]

@@ -58,7 +58,9 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     make = (lambda ps: torch.optim.Adam(ps, lr=1e-3)) if args.opt == "adam" else (
         lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)
     )  # fmt: skip
-    opt = dml.DistributedOptimizer(backend, make(model.parameters()), shard_state=args.shard)
+    opt = dml.DistributedOptimizer(
+        backend, make(model.parameters()), shard_state=args.shard, step_during_backward=args.step_during_backward
+    )
     local = build_model(widths)
     local.load_state_dict(model.state_dict())
     local_opt = make(local.parameters())
@@ -116,6 +118,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "transport": "gloo" if ring is not None else "backend",
         "overlap": opt.overlap,
         "sharded": args.shard,
+        "step_during_backward": args.step_during_backward,
         "step_s": step,
         "compute_s": comp,
         "comm_s": com,
@@ -135,7 +138,9 @@ def describe(res: dict[str, Any]) -> str:
     busy = sum(end - start for _, _, start, end in tl["calls"])
     return (
         f"{res['model']} ({res['params'] / 1e6:.1f} M, {res['grad_bytes'] / 2**20:.1f} MiB of gradients, "
-        f"{'sharded' if res['sharded'] else 'unsharded'}, transport {res['transport']}, overlap {res['overlap']}): "
+        f"{'sharded' if res['sharded'] else 'unsharded'}"
+        f"{', stepped during backward' if res.get('step_during_backward') else ''}, "
+        f"transport {res['transport']}, overlap {res['overlap']}): "
         f"step {ms(res['step_s'])} ms, compute {ms(res['compute_s'])} ms, comm {ms(res['comm_s'])} ms, "
         f"step / max(compute, comm) = {res['step_over_max']:.2f}; in transport calls {ms(busy)} ms\n"
         f"  {' | '.join(parts)}"
@@ -149,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--opt", choices=["sgd", "adam"], default="sgd")
     ap.add_argument("--shard", action="store_true", help="shard_state=True")
+    ap.add_argument("--step-during-backward", action="store_true", help="step_during_backward=True")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)

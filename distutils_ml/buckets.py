@@ -367,6 +367,9 @@ class BucketMachine(abc.ABC):
         """After the last bucket: a collective to run after them (the default: none)."""
         return None
 
+    def _landed(self, state: Round, k: int) -> None:  # noqa: B027 - optional: the default does nothing
+        """Bucket ``k``'s collective has completed (on the thread and stream that ran it)."""
+
     # -- rounds -----------------------------------------------------------------------------
 
     def _new_round(self, task: int, changed: bool) -> Round:
@@ -538,12 +541,18 @@ class BucketMachine(abc.ABC):
         tensor = self._fill(state, k)
         if not overlap:
             self._communicate(backend, k, tensor)
+            self._landed(state, k)
             return
         backend.comm_thread().submit(self._job(backend, k, tensor, state))
 
     def _job(self, backend: Backend, k: int, tensor: torch.Tensor, state: Round) -> Callable[[], None]:
         if not tensor.is_cuda:
-            return lambda: self._communicate(backend, k, tensor)
+
+            def job() -> None:
+                self._communicate(backend, k, tensor)
+                self._landed(state, k)
+
+            return job
         # The gradient kernels run on the autograd stream: the bucket goes on a stream of its own after them.
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(tensor.device))
@@ -556,6 +565,7 @@ class BucketMachine(abc.ABC):
                 stream.wait_event(ready)
                 tensor.record_stream(stream)
                 self._communicate(backend, k, tensor)
+                self._landed(state, k)
                 done.record(stream)
 
         return run

@@ -30,6 +30,8 @@ from distutils_ml.collectives import allgather
 from distutils_ml.optimizer_base import DataParallelOptimizer, Phase, check_sparse_as_dense
 from distutils_ml.reducer import GradientReducer, ranks_text
 from distutils_ml.sharded import ShardedOptimizer
+from distutils_ml.sharded_rules import check_steps_per_parameter
+from distutils_ml.stepping import BucketStepper, describe_positions
 
 __all__ = ["BackwardReduction", "DistributedOptimizer", "allreduce_gradients", "reduce_gradients_in_backward"]
 
@@ -245,6 +247,12 @@ class DistributedOptimizer(DataParallelOptimizer):
             (elementwise optimizers only; see its documentation for what differs).
         sparse_as_dense: reduce sparse gradients as dense tensors (Horovod's option) rather than
             as sparse; with ``shard_state=True`` they are always dense (views of the flat buffer).
+        step_during_backward: step each bucket's parameters as soon as its reduction lands, during
+            ``backward()`` (on the communication thread with overlap), while later buckets are still on
+            the wire; ``step()`` then steps only what is left. Bit-identical to stepping after backward,
+            for optimizers that compute each parameter's update from that parameter alone. Nothing may
+            change the gradients between ``backward()`` and ``step()`` (clipping, ``GradScaler``): ``step()``
+            raises if something did. Default False (:mod:`distutils_ml.stepping`).
 
     Example:
         >>> model = dml.synchronize(backend, torch.nn.Linear(4, 1))
@@ -277,6 +285,14 @@ class DistributedOptimizer(DataParallelOptimizer):
         self._reducer.sparse_as_dense = self._sparse_as_dense
         self._reducer.skip = self._skip_backward
         self._reducer.on_reduced = self._backward_reduced
+        self._stepper: BucketStepper | None = None
+        if self._step_during_backward:
+            check_steps_per_parameter(self.optimizer)
+            self._stepper = BucketStepper(self.optimizer)
+            self._reducer.step_bucket = self._stepper.step
+            # GradScaler then hands its inf check to step() (found_inf, grad_scale) instead of unscaling the
+            # gradients in place, which no version counter records: step() refuses it.
+            self._step_supports_amp_scaling = True
         self._reducer.attach(backend, overlap=default_overlap(backend) if overlap is None else bool(overlap))
 
     def _check_shard_state(self, shard_state: Any) -> None:
@@ -308,6 +324,16 @@ class DistributedOptimizer(DataParallelOptimizer):
         """Whether buckets are reduced on the communication thread while backward runs."""
         return self._reducer.overlap
 
+    @property
+    def step_during_backward(self) -> bool:
+        """Whether each bucket's parameters are stepped as soon as its reduction lands, during backward."""
+        return self._stepper is not None
+
+    def _backward_reduced(self) -> None:
+        super()._backward_reduced()
+        if self._stepper is not None:
+            self._stepper.record()
+
     def prepare(self) -> None:
         """Build the gradient buckets now and compare the configuration across ranks (a collective on every rank;
         otherwise it happens at the first reduction)."""
@@ -323,6 +349,8 @@ class DistributedOptimizer(DataParallelOptimizer):
 
     def _forget_round(self) -> None:
         self._reducer.reset()
+        if self._stepper is not None:
+            self._stepper.forget()
 
     def _clear_grads(self, set_to_none: bool) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -339,6 +367,15 @@ class DistributedOptimizer(DataParallelOptimizer):
         return True
 
     def _check_reducing_backward(self) -> None:
+        if self._stepper is not None and self._stepper.pending:
+            self._stepper.forget()
+            raise RuntimeError(
+                "DistributedOptimizer(step_during_backward=True): a second reducing backward() before step(); the "
+                "first one already stepped the parameters of its buckets, and this one would step them again. Call "
+                "opt.step() after each backward (it steps what is left; a GradScaler that skipped step() on an "
+                "inf leaves it uncalled: use step_during_backward=False with a GradScaler), or accumulate "
+                "micro-batches inside opt.no_sync() or with backward_passes_per_step=k"
+            )
         if self._phase in (Phase.REDUCED, Phase.MIXED) and self._op is not ReduceOp.AVG:
             raise RuntimeError(
                 f"DistributedOptimizer: a second backward() since the last step would reduce the gradients again; "
@@ -390,6 +427,9 @@ class DistributedOptimizer(DataParallelOptimizer):
         return super().step(closure)
 
     def _step(self, closure: Callable[[], Any] | None) -> Any:
+        if self._stepper is not None and self._stepper.pending:
+            self._finish_stepping(closure)
+            return None
         if closure is not None:
             self._end_step()
             return self.optimizer.step(self._reducing(closure))
@@ -407,6 +447,39 @@ class DistributedOptimizer(DataParallelOptimizer):
             self._reduce()
         self._end_step()
         return self.optimizer.step()
+
+    def _finish_stepping(self, closure: Callable[[], Any] | None) -> None:
+        """``step()`` after a backward that stepped buckets: step what is left, unless something changed the
+        stepped gradients since (then raise: those steps cannot be taken back)."""
+        stepper = self._stepper
+        assert stepper is not None
+        problem = None
+        if hasattr(self, "found_inf") or hasattr(self, "grad_scale"):
+            self.__dict__.pop("found_inf", None)
+            self.__dict__.pop("grad_scale", None)
+            problem = "a GradScaler steps it: the steps taken used the scaled gradients, unchecked for infs"
+        elif closure is not None:
+            problem = "step(closure) was called; a closure computes new gradients, which those steps did not see"
+        elif self._phase not in (Phase.REDUCED, Phase.SYNCHRONIZED):
+            problem = "backward() accumulated more gradients into them since (inside no_sync(), or after synchronize())"
+        else:
+            moved = stepper.changed()
+            if moved:
+                problem = (
+                    f"the gradients of {describe_positions(moved, self._labels())} were changed or replaced since "
+                    "(torch.nn.utils.clip_grad_norm_, GradScaler.unscale_, or code of yours)"
+                )
+        self._end_step()
+        if problem is None:
+            stepper.finish()
+            return
+        stepper.forget()
+        raise RuntimeError(
+            f"DistributedOptimizer(step_during_backward=True): backward() stepped the parameters of each bucket as "
+            f"its reduction landed, but {problem}; the steps taken did not see that, and nothing more was stepped. "
+            "Clipping to a global norm and GradScaler's inf check need the whole gradient before any parameter "
+            "moves: use step_during_backward=False for them"
+        )
 
     def _reducing(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         """``closure`` followed by the reduction of the gradients (unless its backward did) and of its loss."""

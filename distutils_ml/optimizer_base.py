@@ -140,10 +140,14 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         backward_passes_per_step: int = 1,
         shard_state: Any = ...,
         sparse_as_dense: bool = False,
+        step_during_backward: bool = False,
     ) -> None:
         """The arguments of ``DistributedOptimizer``; ``shard_state`` left out (``...``): this form's."""
         check_backend(backend, "DistributedOptimizer")
         self._sparse_as_dense = check_sparse_as_dense(sparse_as_dense)
+        if not isinstance(step_during_backward, bool):
+            raise TypeError(f"step_during_backward: got {step_during_backward!r}; allowed: True or False")
+        self._step_during_backward = step_during_backward
         self._check_shard_state(self._shards if shard_state is ... else shard_state)
         check_wrapped(optimizer, backward_passes_per_step, self._example)
         self._check_optimizer(optimizer)

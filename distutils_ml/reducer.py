@@ -112,6 +112,9 @@ class GradientReducer(BucketMachine):
         #: reduce sparse gradients as dense tensors (Horovod's option); else they go as sparse (SUM and AVG)
         self.sparse_as_dense = False
         self._sparse_ids: set[int] = set()  # id() of the parameters whose gradients are reduced as sparse
+        #: given the parameters of a bucket whose reduction landed during a backward, steps them
+        #: (``step_during_backward``); None: nothing is stepped here
+        self.step_bucket: Callable[[list[torch.Tensor]], None] | None = None
         self._sparse: list[int] = []  # their indices in the plan
 
     def use(self, params: Callable[[], list[torch.Tensor]], labels: Callable[[], list[str]]) -> None:
@@ -285,6 +288,34 @@ class GradientReducer(BucketMachine):
             assert bucket.flat is not None
             tensor = bucket.flat
         return tensor
+
+    def _landed(self, state: Round, k: int) -> None:
+        """During a backward, with ``step_bucket``: step bucket ``k``'s parameters now, when their reduced
+        gradients are final here: every one had a gradient on this rank (else the header, which lands last, says
+        whether any rank had one), none has autograd history or a sparse gradient, and no rescaling is due.
+        Otherwise they are left to ``step()``."""
+        step = self.step_bucket
+        if step is None or state.task < 0 or self.scale != 1.0:
+            return
+        bucket = self._buckets[k]
+        idx = bucket.params
+        if not idx or any(not state.has[i] or i in state.graphs or i in state.sparse_seen for i in idx):
+            return
+        self._publish(bucket)
+        step([self._params[i] for i in idx])
+
+    def _publish(self, bucket: _Bucket) -> None:
+        """Each ``.grad`` of a flat bucket made its reduced slot (cast back where the wire was narrower)."""
+        for i, flat, shaped in bucket.slots:
+            p = self._params[i]
+            g = p.grad
+            if shaped.dtype != p.dtype:  # compressed on the wire: cast back
+                if g is None or g.layout != torch.strided:
+                    p.grad = shaped.to(p.dtype, copy=True)
+                else:
+                    g.copy_(shaped)
+            elif g is None or g.layout != torch.strided or not is_slice(g, flat):
+                p.grad = shaped  # from now on backward accumulates straight into the bucket
 
     def _note_sparse(self, state: Round, i: int, g: torch.Tensor) -> None:
         """A sparse gradient in a dense bucket: reduced dense this once; from the next round on as sparse."""

@@ -133,6 +133,12 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
     _example = "dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters()), shard_state=True)"
 
     def _setup(self, op: Any, bucket_bytes: int | None, communication_dtype: Any, overlap: bool | None) -> None:
+        if self._step_during_backward:
+            raise TypeError(
+                "step_during_backward=True: the sharded optimizer steps in step(), where across hosts it already "
+                "steps bucket by bucket while the previous bucket's allgather is on the wire; leave it False with "
+                "shard_state=True"
+            )
         backend = self._backend
         self._op = resolve_op(op)
         self._wire = check_communication_dtype(communication_dtype)

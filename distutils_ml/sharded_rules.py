@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ELEMENTWISE", "check_group", "check_shardable", "register_elementwise"]
+__all__ = ["ELEMENTWISE", "check_group", "check_shardable", "check_steps_per_parameter", "register_elementwise"]
 
 #: Optimizers whose update of each element depends only on that element's gradient and state (these exact
 #: classes: a subclass may compute per-tensor quantities, see ``check_shardable``).
@@ -115,3 +115,24 @@ def register_elementwise(optimizer_class: type[torch.optim.Optimizer]) -> type[t
         )
     _REGISTERED.add(optimizer_class)
     return optimizer_class
+
+
+# Torch optimizers that compute each parameter's update from that parameter alone, though not elementwise.
+_PER_PARAMETER = ("SparseAdam", "Adafactor", "Muon")
+
+
+def check_steps_per_parameter(optimizer: torch.optim.Optimizer) -> None:
+    """``TypeError`` unless stepping some of ``optimizer``'s parameters computes, for those, exactly what one step
+    over all of them does (``step_during_backward=True`` steps each bucket's parameters as it lands): the exact
+    classes of ``ELEMENTWISE``, registered ones, and torch's per-parameter ones (SparseAdam, Adafactor, Muon)."""
+    cls = type(optimizer)
+    known = [getattr(torch.optim, name) for name in _PER_PARAMETER if hasattr(torch.optim, name)]
+    if cls in ELEMENTWISE or cls in _REGISTERED or cls in known:
+        return
+    raise TypeError(
+        f"step_during_backward=True: got {cls.__qualname__}, not known to compute each parameter's update from that "
+        "parameter alone; stepping the parameters bucket by bucket would then differ from one step over all of them "
+        f"(LBFGS's line search, say, uses every gradient together). Accepted: exactly torch.optim.{_NAMES}, "
+        f"{', '.join(c.__name__ for c in known)}, and classes registered with "
+        "dml.ShardedOptimizer.register_elementwise. Leave step_during_backward=False with it"
+    )

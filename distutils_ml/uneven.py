@@ -74,6 +74,12 @@ class Join:
                     "not do. Use shard_state=False inside dml.join, or give every rank the same number of batches "
                     "(DistributedDataContainer pads the data; dml.split_iterable(..., drop_remainder=True) for streams)"
                 )
+            if isinstance(obj, DistributedOptimizer) and obj.step_during_backward:
+                raise TypeError(
+                    f"join: joinables[{k}] is a DistributedOptimizer with step_during_backward=True, which join does "
+                    "not support (it rescales the averages of the ranks that still have data after they land). "
+                    "Leave step_during_backward=False inside dml.join"
+                )
             if isinstance(obj, DistributedOptimizer):
                 optimizers.append(obj)
             elif isinstance(obj, BufferBroadcast):

@@ -49,6 +49,7 @@ LAYER = {
     "distutils_ml.optimizer_base": "training",
     "distutils_ml.optimizer": "training",
     "distutils_ml.sharded_rules": "training",
+    "distutils_ml.stepping": "training",
     "distutils_ml.sharded_layout": "training",
     "distutils_ml.sharded_state": "training",
     "distutils_ml.sharded_clip": "training",
@@ -229,6 +230,8 @@ OUTSIDE_PRIVATES = {
     "_Options": "torch's ProcessGroupGloo._Options: a gloo group's device (the interface) and timeout, without the "
     "process-wide GLOO_SOCKET_IFNAME",
     "_devices": "see _Options",
+    "_version": "torch.Tensor._version: the in-place version counter autograd checks; step_during_backward's check "
+    "that no gradient changed after it was stepped",
     "_timeout": "see _Options",
 }
 

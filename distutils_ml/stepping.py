@@ -1,0 +1,90 @@
+"""Stepping during backward: ``DistributedOptimizer(..., step_during_backward=True)``.
+
+Each bucket's parameters are stepped as soon as its reduction lands (on the communication thread with overlap),
+while later buckets are still on the wire; ``step()`` then steps only what is left: the parameters of buckets
+whose gradients were not final when they landed (a parameter without a gradient on this rank, which the header,
+the last bucket, settles; autograd history; a sparse gradient; ``dml.join``'s rescaling) and those reduced after
+the buckets (sparse). The wrapped optimizer must compute each parameter's update from that parameter alone
+(:func:`distutils_ml.sharded_rules.check_steps_per_parameter`): stepping it bucket by bucket is then bit-identical
+to one step after backward.
+
+What cannot be exact is refused: a step needs the whole gradient before any parameter moves when the gradients
+are clipped to a global norm or checked for infs (``GradScaler``). So ``step()`` compares each stepped gradient
+with what it was when backward returned (the tensor and its version counter) and raises if anything changed it in
+between, naming the parameters; a second reducing backward before ``step()`` raises too (it would step again).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["BucketStepper", "describe_positions"]
+
+
+class BucketStepper:
+    """Steps a torch optimizer's parameters in subsets and remembers which were stepped since the last ``finish``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._stepped: dict[int, torch.Tensor] = {}
+        self._seen: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._subsets: dict[tuple, list[list[torch.Tensor]]] = {}
+
+    @property
+    def pending(self) -> bool:
+        """Whether parameters were stepped since the last :meth:`finish`."""
+        return bool(self._stepped)
+
+    def step(self, params: list[torch.Tensor]) -> None:
+        """Step ``params`` (of the optimizer's groups) now: one step of the optimizer over them alone."""
+        self._step_subset(params)
+        for p in params:
+            self._stepped[id(p)] = p
+
+    def record(self) -> None:
+        """After the backward's reduction: what each stepped parameter's gradient is now (checked by ``finish``)."""
+        self._seen = [(p, p.grad, p.grad._version) for p in self._stepped.values() if p.grad is not None]
+
+    def changed(self) -> list[int]:
+        """Positions (among the optimizer's parameters that take gradients) of stepped parameters whose gradient
+        changed since :meth:`record`."""
+        moved = {id(p) for p, g, version in self._seen if p.grad is not g or g._version != version}
+        every = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+        return [k for k, p in enumerate(every) if id(p) in moved]
+
+    def finish(self) -> None:
+        """Step every parameter not stepped yet (one step over them), and start over."""
+        stepped, self._stepped, self._seen = self._stepped, {}, []
+        rest = [p for group in self.optimizer.param_groups for p in group["params"] if id(p) not in stepped]
+        if rest:
+            self._step_subset(rest)
+
+    def forget(self) -> None:
+        """Start over without stepping (after an error)."""
+        self._stepped, self._seen = {}, []
+
+    def _step_subset(self, params: list[torch.Tensor]) -> None:
+        groups = self.optimizer.param_groups
+        every = [group["params"] for group in groups]
+        key = (tuple(map(id, params)), tuple(map(id, every)), tuple(map(len, every)))
+        subset = self._subsets.get(key)
+        if subset is None:
+            wanted = {id(p) for p in params}
+            subset = [[p for p in ps if id(p) in wanted] for ps in every]
+            if len(self._subsets) > 256:  # parameters were replaced many times: start the cache over
+                self._subsets.clear()
+            self._subsets[key] = subset
+        try:
+            for group, ps in zip(groups, subset, strict=True):
+                group["params"] = ps
+            self.optimizer.step()
+        finally:
+            for group, ps in zip(groups, every, strict=True):
+                group["params"] = ps
+
+
+def describe_positions(positions: list[int], labels: list[str]) -> str:
+    """``name, name, ...`` of the parameters at ``positions`` (at most 5 named)."""
+    names = [labels[k] if k < len(labels) else f"parameter {k}" for k in positions]
+    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+    return ", ".join(names[:5]) + more

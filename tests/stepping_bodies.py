@@ -1,0 +1,171 @@
+"""Bodies of the step-during-backward tests (``DistributedOptimizer(step_during_backward=True)``), run on
+LocalBackend by tests/test_stepping.py and under mpiexec by tests/stepping_job.py (over gloo too).
+
+The property: training with ``step_during_backward=True`` ends with parameters and optimizer state bit-identical
+to training with it False, on every rank, for random models, optimizers, bucket sizes, overlap, wire dtypes,
+parameters that some ranks leave without a gradient, frozen parameters and micro-batches accumulated inside
+``no_sync()``; and the buckets are really stepped during backward (counted, where every gradient is final).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+
+import distutils_ml as dml
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01),
+    "adam_foreach": lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=True),
+}
+
+
+@dataclass(frozen=True)
+class StepCase:
+    widths: tuple[int, ...]
+    kind: str
+    bucket_bytes: int
+    overlap: bool
+    wire: str | None  # communication_dtype
+    unused: bool  # odd ranks leave the side layer without a gradient
+    frozen: bool  # the first layer's bias takes no gradient
+    micro: int  # micro-batches per step, all but the last inside no_sync()
+    steps: int
+    seed: int
+
+
+@st.composite
+def step_cases(draw: st.DrawFn) -> StepCase:
+    widths = tuple(draw(st.lists(st.integers(1, 24), min_size=2, max_size=5)))
+    return StepCase(
+        widths=widths,
+        kind=draw(st.sampled_from(sorted(OPTIMIZERS))),
+        bucket_bytes=draw(st.sampled_from([0, 64, 512, 4096, 1 << 20])),
+        overlap=draw(st.booleans()),
+        wire=draw(st.sampled_from([None, None, "bfloat16"])),
+        unused=draw(st.booleans()),
+        frozen=draw(st.booleans()),
+        micro=draw(st.integers(1, 2)),
+        steps=draw(st.integers(1, 3)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+class Net(torch.nn.Module):
+    """An MLP and a side layer that only some ranks use."""
+
+    def __init__(self, widths: tuple[int, ...], seed: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        layers: list[torch.nn.Module] = []
+        for a, b in itertools.pairwise(widths):
+            layer = torch.nn.Linear(a, b)
+            with torch.no_grad():
+                layer.weight.copy_(torch.randn(b, a, generator=gen) * 0.3)
+                layer.bias.copy_(torch.randn(b, generator=gen) * 0.1)
+            layers += [layer, torch.nn.Tanh()]
+        self.body = torch.nn.Sequential(*layers[:-1]) if len(layers) > 1 else torch.nn.Identity()
+        self.side = torch.nn.Linear(widths[0], 1)
+        with torch.no_grad():
+            self.side.weight.copy_(torch.randn(1, widths[0], generator=gen))
+            self.side.bias.zero_()
+
+    def forward(self, x: torch.Tensor, side: bool) -> torch.Tensor:
+        out = self.body(x).sum(1, keepdim=True)
+        return out + self.side(x) if side else out
+
+
+def _optimizer(case: StepCase, model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return OPTIMIZERS[case.kind](params)
+
+
+def equivalence_body(backend: dml.Backend, case: StepCase) -> dict[str, Any]:
+    """Two replicas trained alike, one with step_during_backward: bit-identical parameters and state."""
+    rank = backend.rank
+    base = Net(case.widths, case.seed)
+    if case.frozen and len(case.widths) > 1:
+        base.body[0].bias.requires_grad_(False)
+    models = [copy.deepcopy(base), copy.deepcopy(base)]
+    wire = getattr(torch, case.wire) if case.wire else None
+    opts = [
+        dml.DistributedOptimizer(
+            backend, _optimizer(case, m), bucket_bytes=case.bucket_bytes, overlap=case.overlap,
+            communication_dtype=wire, step_during_backward=during,
+        )
+        for m, during in zip(models, (False, True), strict=True)
+    ]  # fmt: skip
+    assert opts[1].step_during_backward and not opts[0].step_during_backward
+    side = not (case.unused and rank % 2 == 1)
+    stepped_in_backward = 0
+    gen = torch.Generator().manual_seed(case.seed ^ (1000003 * (rank + 1)))
+    for _ in range(case.steps):
+        batches = [torch.randn(3, case.widths[0], generator=gen) for _ in range(case.micro)]
+        for model, opt in zip(models, opts, strict=True):
+            opt.zero_grad()
+            for m, x in enumerate(batches):
+                quiet = m < case.micro - 1
+                with opt.no_sync() if quiet else contextlib.nullcontext():
+                    model(x, side).pow(2).mean().backward()
+            if opt.step_during_backward:
+                stepped_in_backward += len(opt._stepper._stepped)
+            opt.step()
+        for (name, p), q in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+            assert torch.equal(p, q), f"{name}: step_during_backward differs by {(p - q).abs().max().item()}"
+    states = [opt.state_dict()["state"] for opt in opts]
+    assert sorted(states[0]) == sorted(states[1]), (sorted(states[0]), sorted(states[1]))
+    for index, a in states[0].items():  # the same state per parameter (created in another order)
+        b = states[1][index]
+        assert sorted(a) == sorted(b), (index, sorted(a), sorted(b))
+        for key in a:
+            assert torch.equal(torch.as_tensor(a[key]), torch.as_tensor(b[key])), (index, key)
+    flat = torch.cat([p.detach().reshape(-1) for p in models[1].parameters()])
+    every = dml.allgather_object(backend, flat.tolist())
+    assert all(r == every[0] for r in every), "replicas differ across ranks"
+    trained = sum(1 for p in models[1].parameters() if p.requires_grad)
+    if backend.size == 1 or not case.unused:
+        # Every gradient was final where its bucket landed: every parameter stepped during backward.
+        assert stepped_in_backward == case.steps * trained, (stepped_in_backward, case.steps, trained)
+    return {"stepped_in_backward": stepped_in_backward}
+
+
+def errors_body(backend: dml.Backend, what: str) -> str:
+    """What cannot be exact raises, on every rank alike."""
+    model = Net((4, 6, 2), 7)
+    opt = dml.DistributedOptimizer(
+        backend, torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=64, step_during_backward=True
+    )
+    x = torch.ones(2, 4) * (backend.rank + 1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    loss = model(x, True).sum()
+    (scaler.scale(loss) if what == "scaler" else loss).backward()
+    try:
+        if what == "clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            opt.step()
+        elif what == "scaler":
+            scaler.step(opt)
+        elif what == "replaced":
+            model.side.weight.grad = torch.zeros_like(model.side.weight)
+            opt.step()
+        elif what == "twice":
+            model(x, True).sum().backward()
+        elif what == "closure":
+            opt.step(lambda: model(x, True).sum())
+        else:
+            raise AssertionError(what)
+    except RuntimeError as e:
+        assert "step_during_backward=True" in str(e), e
+        if what in ("clip", "replaced"):
+            assert "side.weight" in str(e) or "param_groups" in str(e), e
+        return str(e)
+    raise AssertionError(f"{what}: not refused")

@@ -1,0 +1,58 @@
+"""``DistributedOptimizer(step_during_backward=True)`` (distutils_ml/stepping.py): each bucket's parameters are
+stepped as its reduction lands, bit-identical to stepping after backward; what cannot be exact raises.
+
+The bodies live in tests/stepping_bodies.py; tests/stepping_job.py runs them under mpiexec (MPI, and gloo with
+overlap: the steps then run on the communication thread while later buckets are on the wire).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import distutils_ml as dml
+
+import stepping_bodies as sb
+from mpirun import requires_mpi, run_mpi
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=sb.step_cases(), world=st.integers(1, 4))
+def test_stepping_during_backward_is_bit_identical_to_stepping_after(case: sb.StepCase, world: int) -> None:
+    dml.LocalBackend.spawn(world, sb.equivalence_body, case)
+
+
+@pytest.mark.parametrize("what", ["clip", "scaler", "replaced", "twice", "closure"])
+@pytest.mark.parametrize("world", [1, 3])
+def test_what_cannot_be_exact_raises_on_every_rank(what: str, world: int) -> None:
+    messages = dml.LocalBackend.spawn(world, sb.errors_body, what)
+    assert len(messages) == world
+
+
+def test_optimizers_that_couple_parameters_sharded_state_and_join_are_refused() -> None:
+    def body(backend: dml.Backend) -> None:
+        model = torch.nn.Linear(3, 2)
+        with pytest.raises(TypeError, match="LBFGS"):
+            dml.DistributedOptimizer(backend, torch.optim.LBFGS(model.parameters()), step_during_backward=True)
+        with pytest.raises(TypeError, match="sharded optimizer steps in step"):
+            dml.DistributedOptimizer(
+                backend, torch.optim.SGD(model.parameters(), lr=0.1), shard_state=True, step_during_backward=True
+            )
+        with pytest.raises(TypeError, match="step_during_backward: got 1"):
+            dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1), step_during_backward=1)
+        opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1), step_during_backward=True)
+        with pytest.raises(TypeError, match="step_during_backward=True, which join does not support"):
+            dml.join(backend, opt, model)
+
+    dml.LocalBackend.spawn(2, body)
+
+
+@requires_mpi
+@pytest.mark.parametrize(("ranks", "transport"), [(2, "mpi"), (3, "mpi"), (2, "gloo"), (3, "gloo")])
+def test_stepping_during_backward_under_mpiexec(ranks: int, transport: str) -> None:
+    env = {"DML_TRANSPORT": transport, "DML_OVERLAP": "1" if transport == "gloo" else "0"}
+    job = run_mpi(ranks, ["tests/stepping_job.py"], timeout=240, envs=[env] * ranks)
+    assert job.returncode == 0, job.output[-8000:]
+    assert f"STEPPING CHECKS PASSED: equivalence errors on {ranks} ranks" in job.output, job.output[-8000:]
