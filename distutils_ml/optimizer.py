@@ -288,7 +288,8 @@ class DistributedOptimizer(DataParallelOptimizer):
         self._stepper: BucketStepper | None = None
         if self._step_during_backward:
             check_steps_per_parameter(self.optimizer)
-            self._stepper = BucketStepper(self.optimizer)
+            threaded = default_overlap(backend) if overlap is None else bool(overlap)
+            self._stepper = BucketStepper(self.optimizer, threaded=threaded)
             self._reducer.step_bucket = self._stepper.step
             # GradScaler then hands its inf check to step() (found_inf, grad_scale) instead of unscaling the
             # gradients in place, which no version counter records: step() refuses it.

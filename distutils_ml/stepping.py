@@ -16,7 +16,12 @@ between, naming the parameters; a second reducing backward before ``step()`` rai
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
+
+from distutils_ml.commthread import CommThread
 
 __all__ = ["BucketStepper", "describe_positions"]
 
@@ -24,11 +29,17 @@ __all__ = ["BucketStepper", "describe_positions"]
 class BucketStepper:
     """Steps a torch optimizer's parameters in subsets and remembers which were stepped since the last ``finish``."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, threaded: bool) -> None:
         self.optimizer = optimizer
         self._stepped: dict[int, torch.Tensor] = {}
         self._seen: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self._subsets: dict[tuple, list[list[torch.Tensor]]] = {}
+        # threaded: the steps run on a thread of their own, so that the communication thread, which hands them
+        # over, goes on to the next bucket at once (stepping there would leave the link idle meanwhile)
+        self._worker: CommThread | None = None
+        if threaded:
+            self._worker = CommThread(threading.RLock(), name="dml-step")
+            weakref.finalize(self, self._worker.close)
 
     @property
     def pending(self) -> bool:
@@ -36,13 +47,24 @@ class BucketStepper:
         return bool(self._stepped)
 
     def step(self, params: list[torch.Tensor]) -> None:
-        """Step ``params`` (of the optimizer's groups) now: one step of the optimizer over them alone."""
-        self._step_subset(params)
+        """Step ``params`` (of the optimizer's groups): one step of the optimizer over them alone, now or (threaded)
+        on the stepping thread, after the steps handed to it before."""
         for p in params:
             self._stepped[id(p)] = p
+        if self._worker is None:
+            self._step_subset(params)
+        else:
+            self._worker.submit(lambda: self._step_subset(params))
+
+    def wait(self) -> None:
+        """Return once every step handed over has run; re-raise the first error one raised."""
+        if self._worker is not None:
+            self._worker.wait()
 
     def record(self) -> None:
-        """After the backward's reduction: what each stepped parameter's gradient is now (checked by ``finish``)."""
+        """After the backward's reduction, once its steps have run: what each stepped parameter's gradient is now
+        (checked by ``finish``)."""
+        self.wait()
         self._seen = [(p, p.grad, p.grad._version) for p in self._stepped.values() if p.grad is not None]
 
     def changed(self) -> list[int]:
@@ -60,7 +82,9 @@ class BucketStepper:
             self._step_subset(rest)
 
     def forget(self) -> None:
-        """Start over without stepping (after an error)."""
+        """Start over without stepping more (after an error; steps already handed over run first)."""
+        if self._worker is not None:
+            self._worker.wait(errors=False)
         self._stepped, self._seen = {}, []
 
     def _step_subset(self, params: list[torch.Tensor]) -> None:
