@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 out / f"network-ddp-{tag}.json", timeout=900,
             )  # fmt: skip
             lines = []
-            for extra in [[], ["--step-during-backward"], ["--shard"]] if args.timeline else []:
+            for extra in [[], ["--step-during-backward"], ["--shard"], ["--prefetch"]] if args.timeline else []:
                 suffix = extra[0].replace("--", "-") if extra else ""
                 res = mpi_job(
                     c, "timeline.py", ["--models", args.models, "--batch", str(args.batch), "--opt", args.opt, *extra],

@@ -285,6 +285,11 @@ class DistributedOptimizer(DataParallelOptimizer):
         self._reducer.sparse_as_dense = self._sparse_as_dense
         self._reducer.skip = self._skip_backward
         self._reducer.on_reduced = self._backward_reduced
+        if self._prefetch:
+            raise TypeError(
+                "prefetch=True: only with shard_state=True, whose step() allgathers the updated parameters (here "
+                "every rank steps every parameter, so nothing is left to fetch after step())"
+            )
         self._stepper: BucketStepper | None = None
         if self._step_during_backward:
             check_steps_per_parameter(self.optimizer)

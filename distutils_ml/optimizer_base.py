@@ -141,6 +141,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         shard_state: Any = ...,
         sparse_as_dense: bool = False,
         step_during_backward: bool = False,
+        prefetch: bool = False,
     ) -> None:
         """The arguments of ``DistributedOptimizer``; ``shard_state`` left out (``...``): this form's."""
         check_backend(backend, "DistributedOptimizer")
@@ -148,6 +149,9 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if not isinstance(step_during_backward, bool):
             raise TypeError(f"step_during_backward: got {step_during_backward!r}; allowed: True or False")
         self._step_during_backward = step_during_backward
+        if not isinstance(prefetch, bool):
+            raise TypeError(f"prefetch: got {prefetch!r}; allowed: True or False")
+        self._prefetch = prefetch
         self._check_shard_state(self._shards if shard_state is ... else shard_state)
         check_wrapped(optimizer, backward_passes_per_step, self._example)
         self._check_optimizer(optimizer)

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -112,6 +114,11 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         overlap: reduce-scatter buckets on the communication thread while backward
             computes (True) or all at the end of backward (False); default as
             ``DistributedOptimizer``.
+        prefetch: across hosts (gloo, with overlap), ``step()`` returns before the updated
+            parameters have all arrived: their allgathers go in forward order, and each module's
+            forward waits only for its own parameters' buckets (a forward pre-hook), as FSDP
+            prefetches. Until then read parameters only through a module's forward, a collective,
+            this optimizer's methods or :meth:`wait_for_parameters`. Default False.
         backward_passes_per_step: reduce only every k-th backward (accumulate locally before).
         shard_state: must be True (the argument ``DistributedOptimizer`` dispatches on).
 
@@ -154,6 +161,11 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         self._ring: GlooTransport | None = None
         self._hooks: list[Any] = []
         self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        # prefetch: each parameter's allgather (its bucket's event) while one is in flight after step()
+        self._arriving: dict[int, threading.Event] = {}
+        self._last_arrival: threading.Event | None = None
+        self._arrival_error: BaseException | None = None
+        self._arrival_hook: Any = None
         self._build(params)
 
     def _check_shard_state(self, shard_state: Any) -> None:
@@ -170,6 +182,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
 
     def _build(self, params: list[torch.Tensor]) -> None:
         """Flat buffers, buckets, this rank's pieces and the shard optimizer over them; hooks on ``params``."""
+        self.wait_for_parameters()
         layout = build_layout(params, self._bucket_members(params), self._backend.size, self._backend.rank)
         self._params = params
         self._names = self._labels()
@@ -533,6 +546,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
 
     def _step_shard(self) -> None:
         """The shard optimizer's step (pieces of parameters without gradient skipped), then the allgather."""
+        self.wait_for_parameters()
         for p, view in self._view_pairs():
             if view is not None and p.grad is not None and not _is_view(p.grad, view):
                 self._adopt(p)  # a gradient set by hand after the reduction: this rank's own values
@@ -566,17 +580,74 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
                     of_bucket[self._bucket_of[self._piece_index[id(t)]]][g].append(t)
             self._pieces_by_bucket = of_bucket
         worker = self._backend.comm_thread()
+        order = range(len(self._buckets))
+        if self._prefetch:  # forward order (buckets go in reverse parameter order): the first layers' first
+            order = reversed(order)
         try:
-            for bucket, members in zip(self._buckets, self._pieces_by_bucket, strict=True):
+            for k in order:
+                bucket, members = self._buckets[k], self._pieces_by_bucket[k]
                 if any(members):
                     for group, params in zip(groups, members, strict=True):
                         group["params"] = params
                     self._inner.step()
-                worker.submit(functools.partial(self._allgather, bucket))
+                if self._prefetch:
+                    arrived = threading.Event()
+                    for i in bucket.params:
+                        self._arriving[id(self._params[i])] = arrived
+                    self._last_arrival = arrived
+                    worker.submit(functools.partial(self._allgather_then_set, bucket, arrived))
+                else:
+                    worker.submit(functools.partial(self._allgather, bucket))
         finally:
             for group, params in zip(groups, every, strict=True):
                 group["params"] = params
+        if self._prefetch and self._arriving:
+            if self._arrival_hook is None:
+                self._arrival_hook = torch.nn.modules.module.register_module_forward_pre_hook(
+                    _await_hook(weakref.ref(self))
+                )
+            return
         self._backend.wait_for_comm_thread()
+
+    def _allgather_then_set(self, bucket: Bucket, arrived: threading.Event) -> None:
+        try:
+            self._allgather(bucket)
+        except BaseException as e:
+            self._arrival_error = e
+            raise
+        finally:
+            arrived.set()
+
+    def _await(self, params: Iterator[torch.Tensor]) -> None:
+        """Wait for the allgathers of ``params``' buckets (prefetch); once every one has arrived, stop watching."""
+        arriving = self._arriving
+        for p in params:
+            event = arriving.get(id(p))
+            if event is not None:
+                event.wait()
+        error = self._arrival_error
+        if error is not None:
+            self._arrival_error = None
+            self._stop_watching()
+            raise RuntimeError(
+                f"DistributedOptimizer(shard_state=True, prefetch=True): the allgather of the updated parameters "
+                f"failed ({type(error).__name__}: {error}); the parameters are not the stepped ones"
+            ) from error
+        last = self._last_arrival
+        if last is None or last.is_set():
+            self._stop_watching()
+
+    def _stop_watching(self) -> None:
+        self._arriving, self._last_arrival = {}, None
+        hook, self._arrival_hook = self._arrival_hook, None
+        if hook is not None:
+            hook.remove()
+
+    def wait_for_parameters(self) -> None:
+        """With ``prefetch=True``: return once every parameter updated by the last ``step()`` has arrived (at once
+        otherwise). A module's forward, collectives and this optimizer's methods wait by themselves."""
+        if self._arriving:
+            self._await(p for p in self._params if id(p) in self._arriving)
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -641,6 +712,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
             >>> opt.step()
             >>> opt.load_state_dict(opt.state_dict(to=None))  # every rank keeps its slices of the full state
         """
+        self.wait_for_parameters()
         self._load_full(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -658,6 +730,18 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         self._agreed = False
         self._build(self._params_now())
         self._restore_state(kept)
+
+
+def _await_hook(ref: weakref.ref[ShardedOptimizer]) -> Callable[[torch.nn.Module, Any], None]:
+    """A global forward pre-hook: a module's forward waits for its own parameters' allgathers (prefetch)."""
+
+    @torch.compiler.disable
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        opt = ref()
+        if opt is not None and opt._arriving:
+            opt._await(module.parameters(recurse=False))
+
+    return hook
 
 
 def _is_view(grad: torch.Tensor, view: torch.Tensor) -> bool:

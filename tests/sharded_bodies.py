@@ -1184,3 +1184,80 @@ def ring_body(backend: dml.Backend) -> bool:
     ran = {k: ring.calls[k] - before[k] for k in before}
     assert all(ran.values()), f"the equivalence runs did not all take the ring: {ran}"
     return True
+
+
+class Tied(torch.nn.Module):
+    """An embedding whose weight the output projection reuses, a parameter of the root used in its own forward,
+    and an MLP between: what prefetch's per-module waits must cover."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.embed = torch.nn.Embedding(11, 8)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+        self.head = torch.nn.Linear(8, 11, bias=False)
+        self.head.weight = self.embed.weight  # tied: the head's forward uses the embedding's parameter
+        self.scale = torch.nn.Parameter(torch.ones(8))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mlp(self.embed(tokens)) * self.scale)
+
+
+def prefetch_body(backend: dml.Backend, delay: float) -> int:
+    """prefetch=True (across hosts: gloo with overlap) against prefetch=False and the unsharded optimizer: the same
+    losses at every step (a forward that read a parameter before its allgather arrived would differ; the
+    transport's allgathers are slowed by ``delay`` s to make that likely) and the same parameters at the end. The
+    optimizer left its forward pre-hook in place after step() (prefetch was in effect)."""
+    from distutils_ml.transport import transport_for
+
+    ring = transport_for(backend)
+    assert ring is not None, "prefetch_body runs over gloo"
+    slow_allgather = ring.allgather
+    if delay:
+
+        def allgather(*args: Any) -> None:
+            import time
+
+            time.sleep(delay)
+            slow_allgather(*args)
+
+        ring.allgather = allgather  # type: ignore[method-assign]
+    try:
+        models = [Tied(3) for _ in range(3)]
+        opts = [
+            dml.DistributedOptimizer(backend, torch.optim.Adam(models[0].parameters(), lr=0.05), shard_state=True,
+                                     prefetch=True, bucket_bytes=1024),
+            dml.DistributedOptimizer(backend, torch.optim.Adam(models[1].parameters(), lr=0.05), shard_state=True,
+                                     bucket_bytes=1024),
+            dml.DistributedOptimizer(backend, torch.optim.Adam(models[2].parameters(), lr=0.05), bucket_bytes=1024),
+        ]  # fmt: skip
+        assert opts[0].overlap, "prefetch_body needs overlap (the default across hosts, DML_OVERLAP=1 here)"
+        gen = torch.Generator().manual_seed(17 + backend.rank)
+        batches = [torch.randint(0, 11, (6,), generator=gen) for _ in range(4)]
+        deferred = 0
+        losses: list[list[float]] = [[], [], []]
+        for model, opt, seen in zip(models, opts, losses, strict=True):  # one model at a time: nothing else waits
+            for tokens in batches:
+                opt.zero_grad()
+                loss = torch.nn.functional.cross_entropy(model(tokens), tokens)
+                loss.backward()
+                opt.step()
+                deferred += opt is opts[0] and opt._arrival_hook is not None
+                seen.append(loss.item())
+        assert losses[0] == losses[1], f"losses with prefetch {losses[0]}, without {losses[1]}"
+        if exact(backend):
+            assert losses[1] == losses[2], f"losses sharded {losses[1]}, unsharded {losses[2]}"
+        opts[0].wait_for_parameters()
+        assert opts[0]._arrival_hook is None and not opts[0]._arriving
+        for p, q, r in zip(*(m.parameters() for m in models), strict=True):
+            assert torch.equal(p, q), (p - q).abs().max()
+            check_close(backend, p.detach(), r.detach(), "prefetch against the unsharded optimizer", None)
+        assert deferred == 4, f"step() waited for its allgathers in {4 - deferred} of 4 steps"
+        replicas_identical(backend, torch.cat([p.detach().reshape(-1) for p in models[0].parameters()]).tolist())
+        return deferred
+    finally:
+        if delay:
+            ring.allgather = slow_allgather  # type: ignore[method-assign]

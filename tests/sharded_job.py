@@ -57,6 +57,7 @@ def main(names: list[str]) -> None:
         "state": lambda: len(guarded(sb.state_to_body, world)),
         "state_memory": lambda: guarded(sb.state_memory_body, world, "cpu")["full"],
         "ring": lambda: guarded(sb.ring_body, world),
+        "prefetch": lambda: [guarded(sb.prefetch_body, world, delay) for delay in (0.0, 0.05)],
     }
 
     def run_check(name: str) -> Any:
@@ -75,7 +76,7 @@ def main(names: list[str]) -> None:
         dml.save(world, checkpoint, out)
         return checkpoint["step"]
 
-    run_checks(world, names or [c for c in checks if c != "ring"], "SHARDED CHECKS PASSED", run_check)
+    run_checks(world, names or [c for c in checks if c not in ("ring", "prefetch")], "SHARDED CHECKS PASSED", run_check)
 
 
 if __name__ == "__main__":

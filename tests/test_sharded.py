@@ -261,11 +261,44 @@ def test_sharded_job_under_mpiexec(ranks: int) -> None:
         assert job.output.count(f"check {check} passed") == ranks, job.output[-8000:]
 
 
+def test_prefetch_is_checked_and_inert_without_gloo() -> None:
+    """prefetch=True only with shard_state=True (a bool); without a gloo transport (one host) step() waits as
+    before, and training equals prefetch=False's bit for bit."""
+
+    def body(backend: dml.Backend) -> None:
+        model = torch.nn.Linear(3, 2)
+        with pytest.raises(TypeError, match="prefetch=True: only with shard_state=True"):
+            dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1), prefetch=True)
+        with pytest.raises(TypeError, match="prefetch: got 'yes'"):
+            dml.DistributedOptimizer(
+                backend, torch.optim.SGD(model.parameters(), lr=0.1), shard_state=True, prefetch="yes"
+            )
+        models = [torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)]
+        models[1].load_state_dict(models[0].state_dict())
+        opts = [
+            dml.DistributedOptimizer(backend, torch.optim.Adam(m.parameters()), shard_state=True, prefetch=flag)
+            for m, flag in zip(models, (True, False), strict=True)
+        ]
+        for step in range(3):
+            x = torch.full((2, 3), float(step + backend.rank))
+            for m, opt in zip(models, opts, strict=True):
+                opt.zero_grad()
+                m(x).pow(2).sum().backward()
+                opt.step()
+            assert opts[0]._arrival_hook is None
+        assert all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True))
+
+    torch.manual_seed(0)
+    dml.LocalBackend.spawn(2, body)
+
+
 @requires_mpi
 def test_sharded_job_over_gloo() -> None:
     """Over gloo with overlap, step() steps bucket by bucket while the previous bucket's allgather is on the wire:
-    the hypothesis equivalence to the unsharded optimizer and the variants (Adam, schedulers, clipping) still hold."""
-    checks = ["ring", "errors", "equivalence", "variants", "clip"]
+    the hypothesis equivalence to the unsharded optimizer and the variants (Adam, schedulers, clipping) still hold;
+    with prefetch=True the next forward waits per module for its parameters (slowed allgathers: a forward that
+    read a parameter early would change the losses)."""
+    checks = ["ring", "errors", "equivalence", "variants", "clip", "prefetch"]
     job = run_mpi(3, ["tests/sharded_job.py", *checks], timeout=180, envs=[{"DML_TRANSPORT": "gloo"}] * 3)
     passed = f"SHARDED CHECKS PASSED: {' '.join(checks)} on 3 ranks"
     assert job.returncode == 0 and passed in job.output, job.output[-8000:]
