@@ -11,8 +11,9 @@ every call, names a missing rank and its host first, and gloo's own timeout ends
 
 The transport offers what the bucket machine needs (:func:`distutils_ml.buckets.ring_array` hands it NumPy views):
 
-- ``allreduce``: gloo's (ring-chunked: every element reduced once, on one rank, then copied, so the result is
-  bit-identical everywhere);
+- ``allreduce``: a reduce-scatter then an allgather around a ring over gloo's ``send``/``recv`` (every element
+  reduced once, on one rank, then copied, so the result is bit-identical everywhere). gloo's own allreduce took
+  1.2-1.7x as long on a 10 Gbit/s, 0.1 ms link (4 KiB-64 MiB) and the same on a 1 Gbit/s, 1 ms one;
 - ``reduce_scatter``: a ring over gloo's ``send``/``recv`` (gloo's own reduce-scatter costs about one allreduce
   per rank): W-1 steps, each rank sends and receives one W-th of the bucket per step, (W-1)/W in all;
 - ``allgather``: a ring over the same calls, W-1 steps, each passing on the row received last. gloo's own
@@ -92,11 +93,7 @@ class GlooTransport:
         if self.size == 1 or flat.size == 0:
             return
         with self._call("allreduce", array, op):
-            opts = torch.distributed.AllreduceOptions()
-            opts.reduceOp = _GLOO_OPS[op]
-            self._group.allreduce([torch.from_numpy(flat)], opts).wait()
-            if op is ReduceOp.AVG:
-                np.divide(flat, self.size, out=flat)
+            self._ring_allreduce(flat, op)
 
     def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp) -> None:
         """``recvbuf`` = the op over ranks of every rank's ``sendbuf[rank]`` (sendbuf: (W, n), left unchanged;
@@ -188,6 +185,29 @@ class GlooTransport:
         if op is ReduceOp.AVG:
             np.divide(out, W, out=out)
 
+    def _ring_allreduce(self, flat: np.ndarray, op: ReduceOp) -> None:
+        """A reduce-scatter then an allgather around the ring, in place, over W parts of ``flat`` (sizes differ by
+        at most one element): 2(W-1)/W of it sent and received per rank. Each part is reduced once, in ring order,
+        on one rank, then copied to the others: every rank gets the same bits."""
+        W, r = self.size, self.rank
+        n = flat.size
+        bounds = [k * n // W for k in range(W + 1)]
+        part = [flat[bounds[k] : bounds[k + 1]] for k in range(W)]
+        widest = max(bounds[k + 1] - bounds[k] for k in range(W)) * flat.itemsize
+        if self._scratch.nbytes < widest:
+            self._scratch = np.empty(widest, dtype=np.uint8)
+        ufunc = _UFUNCS[op]
+        right, left = (r + 1) % W, (r - 1) % W
+        for s in range(W - 1):  # reduce-scatter: part (r-s-1) goes right, part (r-s-2) comes from the left
+            mine = part[(r - s - 2) % W]
+            got = self._scratch[: mine.nbytes].view(flat.dtype)
+            self._exchange(part[(r - s - 1) % W], right, got, left)
+            ufunc(got, mine, out=mine)  # the partial sum this rank sends on next
+        if op is ReduceOp.AVG:
+            np.divide(part[r], W, out=part[r])
+        for s in range(W - 1):  # allgather: the reduced parts go once around the ring
+            self._exchange(part[(r - s) % W], right, part[(r - s - 1) % W], left)
+
     def _exchange(self, send: np.ndarray, to: int, into: np.ndarray, source: int) -> None:
         """Send ``send`` to rank ``to`` while receiving ``into`` from rank ``source``. The receive is posted first:
         data that reaches gloo before its receive is posted takes a slow path (measured on a 1 Gbit/s, 1 ms link:
@@ -203,13 +223,6 @@ class GlooTransport:
         return self._tag
 
 
-_GLOO_OPS = {
-    ReduceOp.SUM: torch.distributed.ReduceOp.SUM,
-    ReduceOp.AVG: torch.distributed.ReduceOp.SUM,
-    ReduceOp.PROD: torch.distributed.ReduceOp.PRODUCT,
-    ReduceOp.MAX: torch.distributed.ReduceOp.MAX,
-    ReduceOp.MIN: torch.distributed.ReduceOp.MIN,
-}
 _UFUNCS = {
     ReduceOp.SUM: np.add,
     ReduceOp.AVG: np.add,

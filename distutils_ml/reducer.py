@@ -304,9 +304,12 @@ class GradientReducer(BucketMachine):
         self._publish(bucket)
         step([self._params[i] for i in idx])
 
-    def _publish(self, bucket: _Bucket) -> None:
-        """Each ``.grad`` of a flat bucket made its reduced slot (cast back where the wire was narrower)."""
+    def _publish(self, bucket: _Bucket, skip: Callable[[int], bool] = lambda i: False) -> None:
+        """Each ``.grad`` of a flat bucket (but those of the parameters ``skip`` names) made its reduced slot (cast
+        back where the wire was narrower)."""
         for i, flat, shaped in bucket.slots:
+            if skip(i):
+                continue
             p = self._params[i]
             g = p.grad
             if shaped.dtype != p.dtype:  # compressed on the wire: cast back
@@ -387,18 +390,7 @@ class GradientReducer(BucketMachine):
             with torch.enable_grad():
                 self._params[i].grad = ReducedValues.apply(local, reduced.to(local.dtype))
         for bucket in self._buckets:
-            for i, flat, shaped in bucket.slots:
-                if not somebody[i] or i in state.graphs:
-                    continue
-                p = self._params[i]
-                g = p.grad
-                if shaped.dtype != p.dtype:  # compressed on the wire: cast back
-                    if g is None or g.layout != torch.strided:
-                        p.grad = shaped.to(p.dtype, copy=True)
-                    else:
-                        g.copy_(shaped)
-                elif g is None or g.layout != torch.strided or not is_slice(g, flat):
-                    p.grad = shaped  # from now on backward accumulates straight into the bucket
+            self._publish(bucket, lambda i: not somebody[i] or i in state.graphs)
         for i, reduced in state.sparse.items():
             self._params[i].grad = reduced if reduced is None or self.scale == 1.0 else reduced * self.scale
         seen = np.flatnonzero(head[n + 1 : 2 * n + 1] > 0)
