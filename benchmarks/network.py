@@ -131,6 +131,27 @@ def shard_table(label: str, res: dict[str, Any]) -> str | None:
     return f"#### sharded optimizer state, {label}\n\n" + "\n".join(rows)
 
 
+def forms_table(label: str, res: dict[str, Any], comm_s: dict[str, float]) -> str | None:
+    """The optimizer's forms against DDP over gloo and the limit: dml, step_during_backward (dml_sdb), sharded."""
+    rows = ["| model | dml step | dml_sdb step | dml_shard step | DDP (gloo) step | dml / DDP | dml_sdb / DDP | "
+            "dml_shard / DDP | dml / max(compute, comm) | dml_sdb / max(compute, comm) | "
+            "dml_shard / max(compute, comm) |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for model, r in res["results"].items():
+        cs = r["contenders"]
+        if not {"ideal_local", "dml", "dml_sdb", "dml_shard", "ddp_gloo"} <= set(cs):
+            return None
+        comp, dml, sdb, shard, ddp = (
+            statistics.median(cs[k]["times_s"]) for k in ("ideal_local", "dml", "dml_sdb", "dml_shard", "ddp_gloo")
+        )
+        limit = max(comp, comm_s[model])
+        rows.append(
+            f"| {model} ({r['nparams'] / 1e6:.1f} M) | {_t(dml)} | {_t(sdb)} | {_t(shard)} | {_t(ddp)} | "
+            f"{dml / ddp:.2f} | {sdb / ddp:.2f} | {shard / ddp:.2f} | {dml / limit:.2f} | {sdb / limit:.2f} | "
+            f"{shard / limit:.2f} |"
+        )
+    return f"#### the optimizer's forms, {label}\n\n" + "\n".join(rows)
+
+
 def model_comm(ar: dict[str, Any], st: dict[str, Any]) -> dict[str, float]:
     """Seconds one dml allreduce of each model's gradients takes on the link: the measured size nearest to the
     model's gradient bytes (at or above it when there is one), scaled linearly by bytes."""
@@ -167,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-steps", action="store_true", help="the allreduce comparison only")
     ap.add_argument("--dml-buckets", default="", help="benchmarks/ddp.py's --dml-buckets (dml_bb<S> contenders)")
     ap.add_argument("--json-dir", default="benchmarks/results", help="where each job's JSON goes")
-    ap.add_argument("--timeline", action="store_true", help="also benchmarks/timeline.py (3 forms)")
+    ap.add_argument("--timeline", action="store_true", help="also benchmarks/timeline.py (4 forms)")
+    ap.add_argument("--tag", default="", help="appended to the result files' names (-TAG)")
     args = ap.parse_args(argv)
     reason = cluster.unavailable() or delayline.missing_requirements(need_tc=True)
     if reason:
@@ -180,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         label, rate, delay = parse_link(text)
         tag = text.replace(":", "_").replace(".", "p") + (f"-batch{args.batch}" if args.batch != 64 else "")
         tag += "" if args.opt == "sgd" else f"-{args.opt}"
+        tag += f"-{args.tag}" if args.tag else ""
         start = time.monotonic()
         with cluster.cluster(2, 1, link=(rate, delay)) as c:
             alone = probe(c)
@@ -204,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         tables += [step_table(label, st, model_comm(ar, st))] if st and "ddp_gloo" in args.only else []
         sharded = shard_table(label, st) if st else None
         tables += [sharded] if sharded else []
+        forms = forms_table(label, st, model_comm(ar, st)) if st else None
+        tables += [forms] if forms else []
         tables += ["```text\n" + "\n".join(lines) + "\n```"] if args.timeline else []
         tables.append(f"({time.monotonic() - start:.0f} s)")
     print("\n\n".join(tables))

@@ -253,6 +253,9 @@ class DistributedOptimizer(DataParallelOptimizer):
             for optimizers that compute each parameter's update from that parameter alone. Nothing may
             change the gradients between ``backward()`` and ``step()`` (clipping, ``GradScaler``): ``step()``
             raises if something did. Default False (:mod:`distutils_ml.stepping`).
+        prefetch: with ``shard_state=True`` across hosts, ``step()`` returns before the updated
+            parameters have all arrived and each module's forward waits for its own (see
+            :class:`~distutils_ml.ShardedOptimizer`). Default False.
 
     Example:
         >>> model = dml.synchronize(backend, torch.nn.Linear(4, 1))

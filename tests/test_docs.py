@@ -684,7 +684,7 @@ def _step_expected(column: str, r: dict, comm: float | None) -> list[tuple[float
     """What a step or sharded-state table's column shows for one model: (value, unit) per figure."""
     cs = r["contenders"]
     comp, dml, ddp = (_median(cs, k) for k in ("ideal_local", "dml", "ddp_gloo"))
-    after, shard, zero = (_median(cs, k) for k in ("dml_after", "dml_shard", "zero_gloo"))
+    after, shard, zero, sdb = (_median(cs, k) for k in ("dml_after", "dml_shard", "zero_gloo", "dml_sdb"))
 
     def minus(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else a - b
@@ -710,6 +710,11 @@ def _step_expected(column: str, r: dict, comm: float | None) -> list[tuple[float
         "zero_gloo step": [(zero, "s")],
         "shard / dml": [(shard / dml if shard and dml else None, "")],
         "shard / zero": [(shard / zero if shard and zero else None, "")],
+        "dml_sdb step": [(sdb, "s")],
+        "dml_sdb / ddp": [(sdb / ddp if sdb and ddp else None, "")],
+        "dml_shard / ddp": [(shard / ddp if shard and ddp else None, "")],
+        "dml_sdb / max(compute, comm)": [(sdb / max(comp, comm) if comm and sdb and comp else None, "")],
+        "dml_shard / max(compute, comm)": [(shard / max(comp, comm) if comm and shard and comp else None, "")],
     }
     if col.startswith("state per rank"):
         return [(cs[k]["state_bytes_max_rank"] / 2**20, "MiB") for k in ("dml", "dml_shard", "zero_gloo")]
@@ -796,9 +801,13 @@ def test_benchmark_table_figures_are_those_of_the_result_file(table: BenchTable)
         label = cells.get("model", row[0])
         model = re.match(r"(\w+)", label)[1]
         candidates = step_files
+        # A before/after table names a run and its "-gloo" re-run: columns ending in ", before" read the first.
+        befores = [n for n in step_files if n.replace(".json", "-gloo.json") in step_files]
+        if befores:
+            candidates = [n for n in step_files if n not in befores]
         if "link" in cells:
             tag = _link_tag(cells["link"])
-            candidates = [n for n in step_files if re.search(rf"-{tag}(?:-|\.json)", n)]
+            candidates = [n for n in candidates if re.search(rf"-{tag}(?:-|\.json)", n)]
         elif len(step_files) > 1:
             ranks = re.search(r",\s*(\d+)$", label)
             assert ranks, f"{where}: several result files, and the row names neither a link nor a number of ranks"
@@ -815,6 +824,20 @@ def test_benchmark_table_figures_are_those_of_the_result_file(table: BenchTable)
             comm = _model_comm(results[pair[0]], run["nparams"])
         for column, cell in cells.items():
             if column in ("model", "model, w", "link"):
+                continue
+            if column.endswith(", before"):
+                (before,) = [n for n in befores if n.replace(".json", "-gloo.json") == candidates[0]]
+                expected = _step_expected(column.removesuffix(", before"), results[before]["results"][model], None)
+                assert expected is not None, f"{where}: no rule for the column {column!r}: add one to this test"
+                _check_cell(f"{where}, {column}", cell, expected)
+                continue
+            if column.startswith("after / before: "):
+                (before,) = [n for n in befores if n.replace(".json", "-gloo.json") == candidates[0]]
+                name = column.removeprefix("after / before: ")
+                after_v = _step_expected(name, run, None)
+                before_v = _step_expected(name, results[before]["results"][model], None)
+                assert after_v and before_v, f"{where}: no rule for the column {name!r}"
+                _check_cell(f"{where}, {column}", cell, [(after_v[0][0] / before_v[0][0], "")])
                 continue
             expected = _step_expected(column, run, comm)
             assert expected is not None, f"{where}: no rule for the column {column!r}: add one to this test"
