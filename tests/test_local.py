@@ -132,7 +132,8 @@ def test_close_ends_the_communication_thread_runs_callbacks_and_refuses_later_ca
 
     def body(backend: dml.Backend) -> tuple[bool, bool]:
         ran = []
-        backend.comm_thread().submit(lambda: ran.append(dml.allreduce(backend, np.ones(2), dml.SUM)))
+        worker = backend.comm_thread()
+        worker.submit(lambda: ran.append(dml.allreduce(backend, np.ones(2), dml.SUM)))
         backend.on_close(lambda: order.append((backend.rank, "first registered")))
         backend.on_close(lambda: order.append((backend.rank, "last registered")))
         backend.close()  # after the queued job: it ran
@@ -145,7 +146,7 @@ def test_close_ends_the_communication_thread_runs_callbacks_and_refuses_later_ca
             backend.comm_thread()
         with pytest.raises(RuntimeError, match="is closed"):
             backend.on_close(lambda: None)
-        return backend.closed, any(t.name == f"dml-comm-{backend.rank}" for t in threading.enumerate())
+        return backend.closed, any(t.ident == worker.ident for t in threading.enumerate())
 
     assert dml.LocalBackend.spawn(2, body) == [(True, False), (True, False)]
     for rank in range(2):
