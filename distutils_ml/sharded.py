@@ -67,6 +67,7 @@ from distutils_ml.sharded_clip import ShardedClipping
 from distutils_ml.sharded_layout import Bucket, Piece, build_layout
 from distutils_ml.sharded_rules import check_group, check_shardable, register_elementwise
 from distutils_ml.sharded_state import ShardedState
+from distutils_ml.stepping import step_groups
 from distutils_ml.transport import transport_for
 
 __all__ = ["ShardedOptimizer"]
@@ -571,11 +572,10 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         """Across hosts (gloo, whose waits sleep): step bucket k's pieces, then allgather bucket k on the
         communication thread while the next bucket's pieces are stepped. The shard optimizer is elementwise, so
         stepping its pieces bucket by bucket computes what one step over all of them does, bit for bit."""
-        groups = self._inner.param_groups
-        every = [group["params"] for group in groups]
         if self._pieces_by_bucket is None:
+            groups = self._inner.param_groups
             of_bucket = [[[] for _ in groups] for _ in self._buckets]
-            for g, params in enumerate(every):
+            for g, params in enumerate(group["params"] for group in groups):
                 for t in params:
                     of_bucket[self._bucket_of[self._piece_index[id(t)]]][g].append(t)
             self._pieces_by_bucket = of_bucket
@@ -583,24 +583,18 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         order = range(len(self._buckets))
         if self._prefetch:  # forward order (buckets go in reverse parameter order): the first layers' first
             order = reversed(order)
-        try:
-            for k in order:
-                bucket, members = self._buckets[k], self._pieces_by_bucket[k]
-                if any(members):
-                    for group, params in zip(groups, members, strict=True):
-                        group["params"] = params
-                    self._inner.step()
-                if self._prefetch:
-                    arrived = threading.Event()
-                    for i in bucket.params:
-                        self._arriving[id(self._params[i])] = arrived
-                    self._last_arrival = arrived
-                    worker.submit(functools.partial(self._allgather_then_set, bucket, arrived))
-                else:
-                    worker.submit(functools.partial(self._allgather, bucket))
-        finally:
-            for group, params in zip(groups, every, strict=True):
-                group["params"] = params
+        for k in order:
+            bucket, members = self._buckets[k], self._pieces_by_bucket[k]
+            if any(members):
+                step_groups(self._inner, members)
+            if self._prefetch:
+                arrived = threading.Event()
+                for i in bucket.params:
+                    self._arriving[id(self._params[i])] = arrived
+                self._last_arrival = arrived
+                worker.submit(functools.partial(self._allgather_then_set, bucket, arrived))
+            else:
+                worker.submit(functools.partial(self._allgather, bucket))
         if self._prefetch and self._arriving:
             if self._arrival_hook is None:
                 self._arrival_hook = torch.nn.modules.module.register_module_forward_pre_hook(

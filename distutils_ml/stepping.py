@@ -23,7 +23,7 @@ import torch
 
 from distutils_ml.commthread import CommThread
 
-__all__ = ["BucketStepper", "describe_positions"]
+__all__ = ["BucketStepper", "describe_positions", "step_groups"]
 
 
 class BucketStepper:
@@ -88,8 +88,7 @@ class BucketStepper:
         self._stepped, self._seen = {}, []
 
     def _step_subset(self, params: list[torch.Tensor]) -> None:
-        groups = self.optimizer.param_groups
-        every = [group["params"] for group in groups]
+        every = [group["params"] for group in self.optimizer.param_groups]
         key = (tuple(map(id, params)), tuple(map(id, every)), tuple(map(len, every)))
         subset = self._subsets.get(key)
         if subset is None:
@@ -98,13 +97,22 @@ class BucketStepper:
             if len(self._subsets) > 256:  # parameters were replaced many times: start the cache over
                 self._subsets.clear()
             self._subsets[key] = subset
-        try:
-            for group, ps in zip(groups, subset, strict=True):
-                group["params"] = ps
-            self.optimizer.step()
-        finally:
-            for group, ps in zip(groups, every, strict=True):
-                group["params"] = ps
+        step_groups(self.optimizer, subset)
+
+
+def step_groups(optimizer: torch.optim.Optimizer, members: list[list[torch.Tensor]]) -> None:
+    """One step of ``optimizer`` over ``members[g]`` of each parameter group ``g`` alone; the groups' parameter lists
+    are put back after it (for an optimizer whose update of each parameter depends on that parameter alone, this is
+    what one step over all of them computes for those)."""
+    groups = optimizer.param_groups
+    every = [group["params"] for group in groups]
+    try:
+        for group, ps in zip(groups, members, strict=True):
+            group["params"] = ps
+        optimizer.step()
+    finally:
+        for group, ps in zip(groups, every, strict=True):
+            group["params"] = ps
 
 
 def describe_positions(positions: list[int], labels: list[str]) -> str:
