@@ -36,6 +36,7 @@ import atexit
 import contextlib
 import datetime
 import os
+import re
 import socket
 import struct
 import uuid
@@ -63,7 +64,9 @@ class GlooTransportError(RuntimeError):
 class GlooTransport:
     """A gloo process group over a backend's ranks, for gradient buckets (the module's docstring)."""
 
-    def __init__(self, backend: Backend, group: Any, where: str, store: Any, sockets: dict[int, str]) -> None:
+    def __init__(
+        self, backend: Backend, group: Any, where: str, store: Any, sockets: dict[int, str], *, peers: dict[str, str]
+    ) -> None:
         self.size = backend.size
         self.rank = backend.rank
         self._backend = weakref.proxy(backend)  # the backend keeps its transport (transport_for), not the reverse
@@ -73,6 +76,8 @@ class GlooTransport:
         self.sockets = sockets
         #: Where this rank's gloo device listens ("address" of the chosen interface).
         self.where = where
+        #: Every rank's gloo address -> its ranks and host ("rank(s) [2, 3] on node-b"), to name a failed peer.
+        self.peers = peers
         self._broken: str | None = None
         self._scratch = np.empty(0, dtype=np.uint8)
         self._tag = 0
@@ -156,9 +161,14 @@ class GlooTransport:
             self._broken = f"{kind} of {array.size} {array.dtype} on rank {self.rank}: {type(e).__name__}: {e}"
             raise GlooTransportError(
                 f"rank {self.rank}: the gloo transport of the gradient buckets failed in {kind} "
-                f"({type(e).__name__}: {e}); every later bucket on this rank raises. A peer may have ended or be "
-                "unreachable"
+                f"({type(e).__name__}: {e}){self._named(str(e))}; every later bucket on this rank raises. A peer may "
+                "have ended or be unreachable"
             ) from e
+
+    def _named(self, error: str) -> str:
+        """The ranks and hosts of the peer addresses ``error`` mentions (gloo names a peer by its address only)."""
+        found = [a for a in dict.fromkeys(re.findall(r"\d+\.\d+\.\d+\.\d+", error)) if a in self.peers]
+        return f" ({'; '.join(f'{a} is {self.peers[a]}' for a in found)})" if found else ""
 
     def _ring_reduce_scatter(self, rows: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
         """W-1 steps: send a partial of part (r-s-1) to the next rank, receive one of part (r-s-2) from the previous,
@@ -275,15 +285,19 @@ def connect_gloo(backend: Backend, hosts: list[str], ifname_env: str) -> tuple[G
             )
         except Exception as e:
             problem = f"{type(e).__name__}: {e}"
-    outcome = allgather_object(backend, problem)
-    failed = {k: w for k, w in enumerate(outcome) if w}
+    outcome = allgather_object(backend, (problem, address))
+    failed = {k: w for k, (w, _) in enumerate(outcome) if w}
     if failed:
         if group is not None:
             with contextlib.suppress(Exception):
                 group.abort()
         return None, "; ".join(f"rank {k}: {w}" for k, w in failed.items())
     mine = {fd: what for fd, what in _sockets().items() if fd not in before}
-    transport = GlooTransport(backend, group, address, store, mine)
+    at: dict[str, list[int]] = {}
+    for k, (_, a) in enumerate(outcome):
+        at.setdefault(a, []).append(k)
+    peers = {a: f"rank(s) {ks} on {', '.join(dict.fromkeys(hosts[k] for k in ks))}" for a, ks in at.items()}
+    transport = GlooTransport(backend, group, address, store, mine, peers=peers)
     _open.add(transport)
     if not _hooks:  # once per process
         _hooks.append(True)
