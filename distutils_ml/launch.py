@@ -35,6 +35,12 @@ when the launcher dies in any other way (SIGKILL, an out-of-memory kill), throug
 kernel's parent-death signal. Other systems have no such signal: there a launcher killed
 with SIGKILL leaves mpiexec and the ranks running.
 
+Inside a SLURM allocation (``salloc``, an ``sbatch`` script: ``SLURM_JOB_ID`` set) and with no
+``--hostfile``/``-H``, Open MPI's mpiexec places the ranks on the allocation's nodes (it starts its
+daemons there with ``srun``); the launcher then adds no ``--oversubscribe``, counts threads per rank
+from ``SLURM_CPUS_PER_TASK`` or the cores of a node over its ranks, takes ``-n`` from
+``SLURM_NTASKS`` when it is not given, and says so on stderr (docs/slurm.md).
+
 Every other option before the script goes to mpiexec untouched (``--hostfile``, ``-H``,
 ``--map-by``, ``--mca NAME VALUE``, ``-x``, ...), with its values: the launcher knows how
 many values each option of Open MPI's and of Hydra's ``mpiexec`` takes, so a value ending
@@ -68,7 +74,17 @@ from distutils_ml.mpiexec_options import (
 )
 from distutils_ml.supervise import run_supervised
 
-__all__ = ["Command", "LaunchArgs", "build_command", "cpu_cores", "find_mpiexec", "main", "parse_args"]
+__all__ = [
+    "Allocation",
+    "Command",
+    "LaunchArgs",
+    "build_command",
+    "cpu_cores",
+    "find_mpiexec",
+    "main",
+    "parse_args",
+    "slurm_allocation",
+]
 
 USAGE = (
     "usage: distutils-ml launch -n N [--threads-per-rank K] [--dry-run] [mpiexec options] "
@@ -79,7 +95,7 @@ HELP = f"""{USAGE}
 Run a Python script on N MPI ranks with this environment's mpiexec and interpreter.
 
 launcher options (anywhere before the script):
-  -n N, -np N             number of ranks
+  -n N, -np N             number of ranks (inside a SLURM allocation: its tasks)
   --threads-per-rank K    torch/OpenMP threads per rank (default: cores // N, at least 1)
   --dry-run               print the command and exit
 
@@ -147,6 +163,8 @@ class LaunchArgs:
     mpiexec_options: list[str] = field(default_factory=list)
     threads_per_rank: int | None = None
     dry_run: bool = False
+    #: False when ``-n`` was not given and ``ranks`` is the default (a SLURM allocation's tasks).
+    ranks_given: bool = True
 
 
 class Command(NamedTuple):
@@ -159,11 +177,12 @@ class Command(NamedTuple):
         return shlex.join([f"{name}={value}" for name, value in self.env.items()] + self.argv)
 
 
-def parse_args(argv: Sequence[str]) -> LaunchArgs:
+def parse_args(argv: Sequence[str], default_ranks: int | None = None) -> LaunchArgs:
     """Split a ``launch`` command line into launcher options, mpiexec options and the program.
 
     Args:
         argv: the arguments after the program name, with or without the leading ``launch``.
+        default_ranks: the number of ranks when there is no ``-n`` (inside a SLURM allocation: its tasks).
 
     Returns:
         The parsed command line.
@@ -221,9 +240,11 @@ def parse_args(argv: Sequence[str]) -> LaunchArgs:
             "no program to run: give a script ending in .py, or -m module, or -- before a program "
             f"whose name does not end in .py\n{USAGE}"
         )
+    given = ranks is not None
+    ranks = ranks or default_ranks
     if ranks is None:
         raise ValueError(f"give the number of ranks with -n N\n{USAGE}")
-    return LaunchArgs(ranks, program, options, threads, dry_run)
+    return LaunchArgs(ranks, program, options, threads, dry_run, ranks_given=given)
 
 
 def find_mpiexec(python: str | None = None, path: str | None = None) -> str | None:
@@ -283,18 +304,21 @@ def build_command(
     options = args.mpiexec_options
     given = given_options(options)
     names = {name for name, _ in given}
+    allocation = slurm_allocation(environ) if not names & HOST_OPTIONS else None
+    per_node = args.ranks if allocation is None else -(-args.ranks // allocation.nodes)
     exported = [values[0] for name, values in given if name == EXPORT_OPTION]
     users_threads = _users_variable("OMP_NUM_THREADS", exported, environ)
     if args.threads_per_rank is None and users_threads is not None:
         threads, env = _leading_int(users_threads), {}
     else:
-        threads = args.threads_per_rank or max(1, cores // args.ranks)
+        given_cpus = allocation.cpus_per_task if allocation is not None else None
+        threads = args.threads_per_rank or given_cpus or max(1, cores // per_node)
         env = dict.fromkeys(_THREAD_VARS, str(threads))
     if _users_variable(_THP_VAR, exported, environ) is None:
         env[_THP_VAR] = "1"
     added: list[str] = []
     if open_mpi:
-        if args.ranks > cores and not names & (OVERSUBSCRIBE_OPTIONS | HOST_OPTIONS):
+        if args.ranks > cores and allocation is None and not names & (OVERSUBSCRIBE_OPTIONS | HOST_OPTIONS):
             added.append("--oversubscribe")
         if threads > 1 and not names & PLACEMENT_OPTIONS:
             added += ["--bind-to", "none"]
@@ -330,8 +354,9 @@ def main(argv: Sequence[str] | None = None, *, python: str | None = None) -> int
     if argv in ([], ["launch"]) or (len(argv) <= 2 and argv[-1] in ("-h", "--help")):
         print(HELP, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    allocation = slurm_allocation(os.environ)
     try:
-        args = parse_args(argv)
+        args = parse_args(argv, allocation.tasks if allocation is not None else None)
     except ValueError as e:
         print(f"distutils-ml launch: error: {e}", file=sys.stderr)
         return 2
@@ -355,6 +380,13 @@ def main(argv: Sequence[str] | None = None, *, python: str | None = None) -> int
         )
         return 2
     command = build_command(args, mpiexec=mpiexec, python=python, open_mpi=open_mpi)
+    if allocation is not None and not HOST_OPTIONS & {name for name, _ in given_options(args.mpiexec_options)}:
+        print(
+            f"distutils-ml launch: inside SLURM allocation {allocation.job} (nodes {allocation.nodelist}): mpiexec "
+            f"places the {args.ranks} ranks on its nodes, no hostfile needed"
+            + ("" if args.ranks_given else f" ({args.ranks}: its SLURM_NTASKS)"),
+            file=sys.stderr,
+        )
     if args.dry_run:
         print(command)
         return 0
@@ -364,6 +396,35 @@ def main(argv: Sequence[str] | None = None, *, python: str | None = None) -> int
         rank_hosts = Path(tmp) / "rank-hosts"
         argv = [command.argv[0], "-x", f"{_RANK_HOSTS_VAR}={rank_hosts}", *command.argv[1:]]
         return run_supervised(argv, command.env, rank_hosts)
+
+
+class Allocation(NamedTuple):
+    """The SLURM allocation a command runs in (``salloc``, an ``sbatch`` script), from SLURM's variables."""
+
+    job: str
+    nodelist: str
+    nodes: int
+    tasks: int | None
+    cpus_per_task: int | None
+
+
+def slurm_allocation(environ: Mapping[str, str]) -> Allocation | None:
+    """The SLURM allocation of ``environ`` (``SLURM_JOB_ID`` set), or None outside one.
+
+    Open MPI's ``mpiexec`` reads the allocation itself (its nodes and slots) and starts its daemons on the other
+    nodes with ``srun``: inside one, no hostfile is needed.
+    """
+    job = environ.get("SLURM_JOB_ID", "")
+    if not job:
+        return None
+
+    def number(name: str) -> int | None:
+        value = environ.get(name, "")
+        return int(value) if value.isdigit() and int(value) > 0 else None
+
+    nodes = number("SLURM_JOB_NUM_NODES") or number("SLURM_NNODES") or 1
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST") or "?"
+    return Allocation(job, nodelist, nodes, number("SLURM_NTASKS"), number("SLURM_CPUS_PER_TASK"))
 
 
 def _positive_int(option: str, text: str) -> int:

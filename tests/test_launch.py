@@ -524,3 +524,40 @@ def test_the_job_ends_with_the_launcher(tmp_path: Path, signum: int) -> None:
         for pid in job:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+# --- inside a SLURM allocation (the real thing: tests/test_slurm.py) --------------------
+
+ALLOCATION = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "8"}
+
+
+def test_inside_an_allocation_mpiexec_places_the_ranks_and_threads_count_per_node() -> None:
+    argv = build(["-n", "8", "train.py"], cores=8, environ=ALLOCATION)
+    assert "--oversubscribe" not in argv  # 8 ranks on 8 cores of each of 2 nodes: 4 per node
+    assert "OMP_NUM_THREADS=2" in argv and "--hostfile" not in argv
+    assert "OMP_NUM_THREADS=3" in build(
+        ["-n", "8", "train.py"], cores=8, environ={**ALLOCATION, "SLURM_CPUS_PER_TASK": "3"}
+    )
+    # A hostfile of the user's own: as outside an allocation.
+    hosts = build(["-n", "16", "--hostfile", "h", "train.py"], cores=8, environ=ALLOCATION)
+    assert "--oversubscribe" not in hosts and "OMP_NUM_THREADS=1" in hosts
+    assert "--oversubscribe" in build(["-n", "16", "train.py"], cores=8, environ={})
+
+
+@requires_mpi
+def test_inside_an_allocation_n_defaults_to_its_tasks_and_the_launcher_says_so(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in ALLOCATION.items():
+        monkeypatch.setenv(name, value)
+    argv = dry_run(capsys, ["train.py"])
+    assert argv[1:3] == ["-n", "8"], argv
+    assert main(["launch", "--dry-run", "train.py"]) == 0
+    said = capsys.readouterr().err
+    assert "inside SLURM allocation 7 (nodes node-[a-b]): mpiexec places the 8 ranks on its nodes" in said, said
+    assert "(8: its SLURM_NTASKS)" in said
+    assert main(["launch", "--dry-run", "-n", "4", "train.py"]) == 0
+    assert "the 4 ranks" in capsys.readouterr().err
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert main(["launch", "--dry-run", "train.py"]) == 2
+    assert "give the number of ranks with -n N" in capsys.readouterr().err
