@@ -1041,3 +1041,12 @@ def test_benchmark_prose_quotes_the_result_files(page: str, claims: Callable[[],
     text = " ".join(_text(page).split())
     missing = [c for c in claims() if " ".join(c.split()) not in text]
     assert not missing, f"{page} does not say (recomputed from the result files):\n" + "\n".join(missing)
+
+
+def test_the_slurm_page_shows_the_templates_the_slurm_tests_submit() -> None:
+    page, tests = _text("docs/slurm.md"), _text("tests/test_slurm.py")
+    for name in ("train.sbatch", "train-gpu.sbatch"):
+        assert f'--8<-- "examples/slurm/{name}"' in page, name  # included whole by pymdownx.snippets
+        assert f'ROOT / "examples" / "slurm" / "{name}"' in tests, name
+        assert "srun --mpi=pmix --kill-on-bad-exit=1" in (ROOT / "examples" / "slurm" / name).read_text()
+    assert "srun --mpi=list" in page and "distutils-ml launch" in page
