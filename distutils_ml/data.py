@@ -137,19 +137,26 @@ class DistributedDataContainer(torch.utils.data.Dataset):
         self._rank = int(backend.rank)
         self._world_size = int(backend.size)
         self._n = n
-        w = self._world_size
-        # DistributedSampler's arithmetic: ceil(N / W), or floor(N / W) with drop_last.
-        self._num_samples = n // w if drop_last else -(-n // w)
+        self._sizes(0)
+        self._epoch_cell = torch.zeros(2, dtype=torch.int64).share_memory_()  # (epoch, start)
+        self._attach()
+
+    def _sizes(self, start: int) -> None:
+        """This rank's share of the epoch's index list after its first ``start`` positions."""
+        n, w = self._n, self._world_size
+        rest = max(0, n - start)
+        # DistributedSampler's arithmetic: ceil(rest / W), or floor(rest / W) with drop_last.
+        self._num_samples = rest // w if self._drop_last else -(-rest // w)
         self._total_size = self._num_samples * w
         # Positions >= N of the padded list are padding; this rank's are its last ones.
-        own = max(0, -(-(n - self._rank) // w))
+        own = max(0, -(-(rest - self._rank) // w))
         self._num_padded = self._num_samples - min(self._num_samples, own)
-        self._epoch_cell = torch.zeros(1, dtype=torch.int64).share_memory_()
-        self._attach()
+        self._sized = start
 
     def _attach(self) -> None:
         self._epoch_view = self._epoch_cell.numpy()
-        self._cache: tuple[int, np.ndarray] = (int(self._epoch_view[0]), self._partition(int(self._epoch_view[0])))
+        epoch, start = (int(v) for v in self._epoch_view)
+        self._cache: tuple[tuple[int, int], np.ndarray] = ((epoch, start), self._partition(epoch, start))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -167,21 +174,22 @@ class DistributedDataContainer(torch.utils.data.Dataset):
             return torch.randperm(self._n, generator=gen).numpy()
         return np.arange(self._n, dtype=np.int64)
 
-    def _partition(self, epoch: int) -> np.ndarray:
-        """This rank's global indices for ``epoch``, as a read-only int64 array."""
+    def _partition(self, epoch: int, start: int) -> np.ndarray:
+        """This rank's global indices for ``epoch`` resumed after ``start`` positions, as a read-only int64 array."""
+        if start != self._sized:
+            self._sizes(start)
         n = self._n
         order = self._order(epoch)
-        positions = np.arange(self._rank, self._total_size, self._world_size, dtype=np.int64)
+        positions = start + np.arange(self._rank, self._total_size, self._world_size, dtype=np.int64)
         mine = order[positions % n] if n else positions
         mine.setflags(write=False)
         return mine
 
     def _current(self) -> np.ndarray:
-        epoch, indices = self._cache
-        now = self._epoch_view[0]
-        if now != epoch:  # set_epoch was called here or, for a worker's copy, in the parent
-            now = int(now)
-            indices = self._partition(now)
+        key, indices = self._cache
+        now = (int(self._epoch_view[0]), int(self._epoch_view[1]))
+        if now != key:  # set_epoch was called here or, for a worker's copy, in the parent
+            indices = self._partition(*now)
             self._cache = (now, indices)
         return indices
 
@@ -213,6 +221,7 @@ class DistributedDataContainer(torch.utils.data.Dataset):
         every observation exactly once (:meth:`unpadded` is a view of them). Always 0
         with ``drop_last``.
         """
+        self._current()  # the sizes of the current (epoch, start)
         return self._num_padded
 
     @property
@@ -233,11 +242,12 @@ class DistributedDataContainer(torch.utils.data.Dataset):
     def placement(self) -> tuple[np.ndarray, np.ndarray]:
         """For each observation kept this epoch, in ascending global index: the rank that holds it and its row
         there (two int64 arrays; with ``drop_last`` the dropped tail is left out, padding never appears)."""
-        n, w, m = self._n, self._world_size, self._num_samples
-        kept = m * w if self._drop_last else n  # positions of the padded index list that are not padding
+        self._current()  # the sizes of the current (epoch, start)
+        n, w, m, start = self._n, self._world_size, self._num_samples, self.start
+        kept = m * w if self._drop_last else max(0, n - start)  # positions of the index list that are not padding
         positions = np.arange(kept, dtype=np.int64)
-        if self._shuffle:
-            positions = np.argsort(self._order(self.epoch)[:kept], kind="stable")
+        if self._shuffle or start:
+            positions = np.argsort(self._order(self.epoch)[start : start + kept], kind="stable")
         return positions % w, positions // w
 
     @property
@@ -246,19 +256,33 @@ class DistributedDataContainer(torch.utils.data.Dataset):
         return int(self._epoch_view[0])
 
     @property
+    def start(self) -> int:
+        """How many positions of the epoch's index list came before this partition (:meth:`set_epoch`); 0 unless
+        an epoch was resumed part way."""
+        return int(self._epoch_view[1])
+
+    @property
     def indices(self) -> np.ndarray:
         """This rank's global indices for the current epoch: a read-only 1-D int64 array."""
         return self._current()
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Take the partition of ``epoch``: with ``shuffle``, the order seeded by ``seed + epoch``.
 
         Call it on every rank before each epoch (with ``DistributedSampler``'s rule: the
         same epoch gives the same order). DataLoader workers' copies of the container
         follow, including persistent ones.
 
+        ``start`` resumes an epoch part way: the epoch's index list without its first ``start`` positions is
+        partitioned as a whole epoch is (padded by repeating the start of the epoch's order). After each of W ranks
+        consumed its first k observations of the epoch, those are exactly the first ``k * W`` positions, so
+        ``set_epoch(epoch, k * W)`` gives each of the same W ranks the rest of its own share, and W' other ranks
+        the rest of the epoch split over them, each observation once (:class:`~distutils_ml.TrainState` does
+        this).
+
         Args:
             epoch: the epoch number, the same on every rank.
+            start: positions of the epoch's index list already consumed, 0 to ``numobs(data)``.
 
         Example:
             >>> ddc = dml.DistributedDataContainer(backend, np.arange(10), shuffle=True)
@@ -270,6 +294,8 @@ class DistributedDataContainer(torch.utils.data.Dataset):
                 f"set_epoch: epoch: got {epoch}; seed + epoch = {self._seed + epoch} must lie in "
                 f"[{_SEED_MIN}, {_SEED_MAX}] (torch.Generator.manual_seed)"
             )
+        start = _check_int(start, "set_epoch: start", 0, self._n)
+        self._epoch_view[1] = start
         self._epoch_view[0] = epoch
         self._current()
 
@@ -295,6 +321,7 @@ class DistributedDataContainer(torch.utils.data.Dataset):
         return UnpaddedShare(self)
 
     def __len__(self) -> int:
+        self._current()  # the sizes of the current (epoch, start)
         return self._num_samples
 
     def _global(self, index: slice | np.ndarray) -> np.ndarray:
@@ -380,12 +407,17 @@ class UnpaddedShare(torch.utils.data.Dataset):
                 "(call share.unpadded())"
             )
         self._container = container
-        self._len = len(container) - container.num_padded
 
     @property
     def container(self) -> DistributedDataContainer:
         """The container this is a view of."""
         return self._container
+
+    @property
+    def _len(self) -> int:
+        container = self._container
+        container._current()  # the sizes of its current (epoch, start)
+        return len(container) - container.num_padded
 
     @property
     def indices(self) -> np.ndarray:
