@@ -35,6 +35,7 @@ from distutils_ml.sharded import ShardedOptimizer
 from distutils_ml.sparse import sparse_allreduce
 from distutils_ml.streams import split_iterable
 from distutils_ml.synchronize import synchronize
+from distutils_ml.trainstate import TrainState
 from distutils_ml.uneven import join
 from distutils_ml.watchdog import CollectiveMismatchError, StallError
 
@@ -65,6 +66,7 @@ __all__ = [
     "ShardedOptimizer",
     "StallError",
     "SyncBatchNorm",
+    "TrainState",
     "UnpaddedShare",
     "allgather",
     "allgather_object",

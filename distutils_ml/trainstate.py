@@ -1,0 +1,315 @@
+"""``TrainState``: everything a run needs to resume, saved in the background and resumed in one call.
+
+One object holds the model, the optimizer (unsharded or sharded), an LR scheduler and a ``GradScaler``, the
+data position (the container's epoch and how far into it the ranks got), every rank's random number generator
+states and the user's own values (the step, say: they are its attributes). In a training script::
+
+    state = dml.TrainState(backend, model=model, optimizer=opt, data=ddc, every_steps=50, step=0)
+    state.resume("checkpoints")                   # True when it resumed
+    for epoch in state.epochs(EPOCHS):            # from the saved epoch on
+        for xb, yb in state.batches(loader):      # the rest of the saved epoch first
+            ...
+            state.step += 1
+            state.save_if_due("checkpoints")      # every 50 steps
+
+The data position is counted, not asked of the loader: :meth:`TrainState.batches` counts the batches each rank
+takes from its loader (which must read the container in order, ``shuffle=False``, as the container asks), so
+after b batches of B each rank consumed its first ``k = min(b * B, len(share))`` observations of the epoch, and
+those are the first ``k * W`` positions of the epoch's index list (rank r holds positions r, r + W, ...). A
+resumed run calls ``data.set_epoch(epoch, start)`` with that number: at the same world size every rank gets the
+rest of its own share, batch for batch as the uninterrupted run; at another, the rest of the epoch split over the
+new ranks, each observation once.
+
+Saving: the collectives (every rank's RNG states, a sharded optimizer's consolidated state) run at the call;
+rank 0 then copies the state to host memory and a writer thread writes it (``torch.save`` with CRC-32s to a
+temporary file, fsync, rename) while training goes on. A save waits for the previous write first, so two never
+overlap; a failed write is raised on every rank at the next save (or :meth:`TrainState.wait`). A crash mid-write
+leaves the earlier checkpoints as they were: files are ``state-<n>.pt`` in the directory, the newest ``keep``
+are kept, and :meth:`TrainState.resume` takes the newest that reads back whole (CRC-checked), falling back to
+older ones.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from distutils_ml.backends.base import Backend, check_backend
+from distutils_ml.checkpoint import (
+    _DESCEND,
+    _check_path,
+    _collective_states,
+    _rebuilt,
+    _state_of,
+    _write_atomic,
+    load,
+)
+from distutils_ml.data import DistributedDataContainer
+from distutils_ml.objects import bcast_object, run_on_root
+from distutils_ml.rng import rng_state_all, set_rng_state_all
+
+__all__ = ["TrainState"]
+
+_FILE = re.compile(r"state-(\d{8,})\.pt")
+_FORMAT = 1
+_OWN = frozenset(
+    {"backend", "epoch", "start", "saves", "epochs", "batches", "save", "save_if_due", "resume", "wait", "keep"}
+)
+
+
+class TrainState:
+    """The state of a training run: save it (in the background) and resume it, exactly at the same world size.
+
+    Args:
+        backend: from ``dml.get_distributed_backend``.
+        model: a ``torch.nn.Module``.
+        optimizer: a ``torch.optim.Optimizer`` or ``dml.DistributedOptimizer`` (``shard_state=True`` too: its state
+            is consolidated when saved and resharded when resumed at any world size).
+        data: the ``DistributedDataContainer`` the loader reads; its epoch and position are saved.
+        scheduler: an LR scheduler.
+        scaler: a ``torch.amp.GradScaler``.
+        keep: how many checkpoints to keep in the directory (the newest).
+        every_steps: :meth:`save_if_due` saves at every ``every_steps``-th call.
+        every_seconds: :meth:`save_if_due` saves when this many seconds passed since the last save (rank 0's
+            clock decides: one one-byte broadcast per call).
+        **extra: the run's own values (``step=0``); they are attributes of the state, saved and restored.
+
+    Raises:
+        TypeError: ``backend`` is not a backend, ``data`` is not a ``DistributedDataContainer``.
+        ValueError: ``keep``, ``every_steps`` or ``every_seconds`` out of range, or an ``extra`` name that the
+            state uses itself.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: Any = None,
+        data: DistributedDataContainer | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        keep: int = 3,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        **extra: Any,
+    ) -> None:
+        check_backend(backend, "TrainState")
+        if data is not None and not isinstance(data, DistributedDataContainer):
+            raise TypeError(f"TrainState: data: got {type(data).__name__}; allowed: a dml.DistributedDataContainer")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"TrainState: keep: got {keep!r}; allowed: an int >= 1")
+        if every_steps is not None and (isinstance(every_steps, bool) or not isinstance(every_steps, int)
+                                        or every_steps < 1):  # fmt: skip
+            raise ValueError(f"TrainState: every_steps: got {every_steps!r}; allowed: an int >= 1, or None")
+        if every_seconds is not None and not (isinstance(every_seconds, (int, float)) and every_seconds > 0):
+            raise ValueError(f"TrainState: every_seconds: got {every_seconds!r}; allowed: a number > 0, or None")
+        clash = sorted(set(extra) & (_OWN | {k for k in dir(type(self)) if not k.startswith("__")}))
+        if clash or any(k.startswith("_") for k in extra):
+            raise ValueError(f"TrainState: {clash or sorted(extra)} are names of the state itself; name them otherwise")
+        self.backend = backend
+        self.keep = keep
+        self._objects = {
+            name: obj
+            for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler))
+            if obj is not None
+        }
+        self._data = data
+        self._every_steps, self._every_seconds = every_steps, every_seconds
+        self._extra = list(extra)
+        for name, value in extra.items():
+            setattr(self, name, value)
+        #: The epoch the run stands in (:meth:`epochs` advances it) and the positions of it consumed before this
+        #: process took it up (a resumed epoch).
+        self.epoch, self.start = (data.epoch, data.start) if data is not None else (0, 0)
+        self._taken = 0  # observations this rank took this epoch, in this process (batches)
+        self._calls = 0  # save_if_due calls, over the whole run
+        self._last = time.monotonic()
+        #: Checkpoints written by this run (counting those of the runs it resumed).
+        self.saves = 0
+        self._writer: threading.Thread | None = None
+        self._failed: BaseException | None = None
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+
+    def epochs(self, count: int) -> Iterator[int]:
+        """The epochs from the one the run stands in up to ``count`` (exclusive), each set on the container first
+        (the resumed one part way)."""
+        while self.epoch < count:
+            if self._data is not None:
+                self._data.set_epoch(self.epoch, self.start)
+            yield self.epoch
+            self.epoch, self.start, self._taken = self.epoch + 1, 0, 0
+
+    def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """``loader``'s batches, counted: each batch's observations count as consumed once it is yielded."""
+        for batch in loader:
+            self._taken += _batch_len(batch)
+            yield batch
+
+    # -- saving --------------------------------------------------------------------------------------------------
+
+    def save_if_due(self, path: str | os.PathLike[str]) -> bool:
+        """:meth:`save` when ``every_steps`` calls or ``every_seconds`` passed since the last; whether it saved.
+        Call it on every rank at the same points (after a step)."""
+        self._calls += 1
+        due = self._every_steps is not None and self._calls % self._every_steps == 0
+        if self._every_seconds is not None and not due:
+            late = self.backend.rank == 0 and time.monotonic() - self._last >= self._every_seconds
+            due = bool(bcast_object(self.backend, late if self.backend.rank == 0 else None))
+        if due:
+            self.save(path)
+        return due
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Save the state to a new checkpoint in the directory ``path`` (made if missing); every rank calls it.
+
+        Waits for the previous write first (raising its failure on every rank), gathers what needs every rank,
+        and returns once rank 0 holds a copy in host memory: the file is written in the background.
+        """
+        path = _check_path(path, "TrainState.save")
+        seq = run_on_root(self.backend, lambda: self._settle(path), what=f"TrainState.save: in {path!r}")
+        obj = _collective_states(self.backend, self._content())
+        self.saves += 1
+        self._last = time.monotonic()
+        if self.backend.rank != 0:
+            return
+        snapshot = _rebuilt(_state_of(obj), _copy_leaf)  # host memory: training may change the live tensors now
+        target = os.path.join(path, f"state-{seq + 1:08d}.pt")
+        self._writer = threading.Thread(target=self._write, args=(snapshot, target, path), name="dml-trainstate")
+        self._writer.start()
+
+    def wait(self) -> None:
+        """Wait for the last checkpoint to be written; its failure is raised on every rank. Call it on every rank
+        before the run ends (at exit the writer finishes anyway, but a failure would go unreported)."""
+        run_on_root(self.backend, self._join, what="TrainState.wait")
+
+    def _content(self) -> dict[str, Any]:
+        consumed = self.start
+        if self._data is not None:
+            own = min(self._taken, len(self._data))
+            consumed = min(self._data.num_observations, self.start + own * self.backend.size)
+        return {
+            "format": _FORMAT,
+            "world_size": self.backend.size,
+            **self._objects,
+            "data": {"epoch": self.epoch, "start": consumed},
+            "rng": rng_state_all(self.backend),
+            "extra": {name: getattr(self, name) for name in self._extra},
+            "counters": {"calls": self._calls, "saves": self.saves + 1},
+        }
+
+    def _settle(self, path: str) -> int:
+        """Rank 0: the previous write's outcome (raised), the directory made; the newest checkpoint's number."""
+        self._join()
+        os.makedirs(path, exist_ok=True)
+        found = _checkpoints(path)
+        return found[-1][0] if found else 0
+
+    def _join(self) -> None:
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed
+
+    def _write(self, snapshot: Any, target: str, directory: str) -> None:
+        try:
+            _write_atomic(snapshot, target)
+            for _, name in _checkpoints(directory)[: -self.keep]:
+                os.unlink(os.path.join(directory, name))
+        except BaseException as e:  # reported at the next save or wait, on every rank
+            self._failed = e
+
+    # -- resuming ------------------------------------------------------------------------------------------------
+
+    def resume(self, path: str | os.PathLike[str]) -> bool:
+        """Restore the newest checkpoint in the directory ``path`` that reads back whole; whether there was one.
+
+        At the world size it was saved at, the run continues bit for bit as if it had not stopped (every rank's
+        random streams restored; the loaders need a generator of their own, as the exact-resume recipe says). At
+        another world size the model, optimizer (resharded), scheduler, scaler and user values are restored, the
+        rest of the saved epoch is split over the new ranks, and the random streams start afresh (a warning).
+        """
+        path = _check_path(path, "TrainState.resume")
+        names = run_on_root(
+            self.backend,
+            lambda: [name for _, name in reversed(_checkpoints(path))] if os.path.isdir(path) else [],
+            what=f"TrainState.resume: in {path!r}",
+        )
+        for k, name in enumerate(names):
+            try:
+                ckpt = load(self.backend, os.path.join(path, name))
+            except Exception as e:  # unreadable (corrupted, cut short): every rank learns it from rank 0, alike
+                if k + 1 == len(names):
+                    raise
+                warnings.warn(f"TrainState.resume: {name} is unreadable ({e}); trying an older one", stacklevel=2)
+                continue
+            self._restore(ckpt)
+            return True
+        return False
+
+    def _restore(self, ckpt: dict[str, Any]) -> None:
+        if ckpt.get("format") != _FORMAT:
+            raise ValueError(f"TrainState.resume: not a TrainState checkpoint (format {ckpt.get('format')!r})")
+        missing = sorted(set(self._objects) - set(ckpt))
+        if missing:
+            raise ValueError(f"TrainState.resume: the checkpoint holds no {missing}: another TrainState saved it")
+        for name, obj in self._objects.items():
+            obj.load_state_dict(ckpt[name])
+        self.epoch, self.start, self._taken = ckpt["data"]["epoch"], ckpt["data"]["start"], 0
+        if self._data is not None:
+            self._data.set_epoch(self.epoch, self.start)
+        for name, value in ckpt["extra"].items():
+            if name in self._extra:
+                setattr(self, name, value)
+        self._calls, self.saves = ckpt["counters"]["calls"], ckpt["counters"]["saves"]
+        if ckpt["world_size"] == self.backend.size:
+            set_rng_state_all(self.backend, ckpt["rng"])
+        else:
+            warnings.warn(
+                f"TrainState.resume: saved on {ckpt['world_size']} ranks, resumed on {self.backend.size}: the model, "
+                "optimizer and data position are restored (the rest of the epoch split over these ranks), the random "
+                "streams start afresh, so the run is correct but not the bitwise continuation of the saved one",
+                stacklevel=3,
+            )
+        self._last = time.monotonic()
+
+
+def _checkpoints(directory: str) -> list[tuple[int, str]]:
+    """The checkpoints in ``directory``, oldest first: (number, file name)."""
+    found = []
+    for name in os.listdir(directory):
+        match = _FILE.fullmatch(name)
+        if match:
+            found.append((int(match.group(1)), name))
+    return sorted(found)
+
+
+def _copy_leaf(obj: Any, where: str) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    return _DESCEND
+
+
+def _batch_len(batch: Any) -> int:
+    """The number of observations in a batch as a loader yields it: its first tensor's length."""
+    first = batch
+    while isinstance(first, (list, tuple)) and first:
+        first = first[0]
+    if isinstance(first, dict) and first:
+        first = next(iter(first.values()))
+    if hasattr(first, "shape") and len(first.shape):
+        return int(first.shape[0])
+    raise TypeError(
+        f"TrainState.batches: cannot tell how many observations a batch holds ({type(batch).__name__}); "
+        "batches must hold tensors or arrays with the observations along their first axis"
+    )

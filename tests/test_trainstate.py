@@ -1,0 +1,243 @@
+"""``dml.TrainState`` (distutils_ml/trainstate.py): save in the background, resume bit for bit at the same world size
+and correctly at another. The exactness runs under mpiexec (tests/trainstate_job.py): simulated ranks share one
+process's random streams."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import distutils_ml as dml
+import distutils_ml.trainstate as ts
+
+from mpirun import requires_mpi, run_mpi
+
+N = 38  # tests/trainstate_job.py's observations
+
+
+@requires_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_run_cut_anywhere_and_resumed_is_the_uninterrupted_run_bit_for_bit(ranks: int) -> None:
+    job = run_mpi(ranks, ["tests/trainstate_job.py", "exact"], timeout=280)
+    assert job.returncode == 0, job.output[-8000:]
+    assert f"TRAINSTATE CHECKS PASSED: exact on {ranks} ranks" in job.output, job.output[-8000:]
+
+
+@requires_mpi
+@pytest.mark.parametrize(("saved", "resumed"), [(2, 3), (3, 2)])
+def test_resumed_at_another_world_size_every_observation_of_the_epoch_comes_once(
+    tmp_path: Path, saved: int, resumed: int
+) -> None:
+    cut = run_mpi(saved, ["tests/trainstate_job.py", "cut", str(tmp_path)], timeout=120)
+    assert cut.returncode == 0, cut.output[-8000:]
+    job = run_mpi(resumed, ["tests/trainstate_job.py", "resume", str(tmp_path)], timeout=120)
+    assert job.returncode == 0, job.output[-8000:]
+    stops = sorted(os.listdir(tmp_path), key=int)
+    assert len(stops) == 3, stops
+    for stop in stops:
+        before = json.loads((tmp_path / stop / "before.json").read_text())
+        assert before["ranks"] == saved
+        after = [json.loads((tmp_path / stop / f"after-{r}.json").read_text()) for r in range(resumed)]
+        taken = [i for seen in before["seen"] for i in seen] + [i for seen in after for i in seen]
+        assert all(after), f"a rank of {resumed} took nothing of the epoch's rest: {after}"
+        # Each observation of the epoch once: those the cut run took, then the rest split over the new ranks.
+        assert sorted(taken) == list(range(N)), (stop, sorted(taken))
+
+
+# -- one process: simulated ranks --------------------------------------------------------------------------------
+
+
+def _state(backend: dml.Backend, **kw: object) -> dml.TrainState:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    data = dml.DistributedDataContainer(backend, torch.arange(20.0).reshape(20, 1))
+    return dml.TrainState(backend, model=model, optimizer=opt, data=data, **{"step": 0, **kw})
+
+
+def _files(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir())
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_keeps_the_newest_checkpoints_and_resumes_the_newest(tmp_path: Path, world: int) -> None:
+    def body(b: dml.Backend) -> tuple[int, int]:
+        state = _state(b, keep=2)
+        for step in range(1, 6):
+            state.step = step
+            state.save(tmp_path)
+        state.wait()
+        again = _state(b)
+        assert again.resume(tmp_path)
+        return again.step, again.saves
+
+    assert dml.LocalBackend.spawn(world, body) == [(5, 5)] * world
+    assert _files(tmp_path) == ["state-00000004.pt", "state-00000005.pt"]
+
+
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(tmp_path: Path) -> None:
+    def body(b: dml.Backend) -> int:
+        state = _state(b)
+        for step in (1, 2):
+            state.step = step
+            state.save(tmp_path)
+        state.wait()
+        if b.rank == 0:
+            newest = tmp_path / "state-00000002.pt"
+            newest.write_bytes(newest.read_bytes()[:-100])  # cut short (a disk that lost the end of it)
+        dml.barrier(b)
+        again = _state(b)
+        with pytest.warns(UserWarning, match="state-00000002.pt is unreadable"):
+            assert again.resume(tmp_path)
+        return again.step
+
+    assert dml.LocalBackend.spawn(1, body) == [1]  # one rank: warnings are caught per process, not per thread
+
+
+def test_nothing_to_resume_returns_false(tmp_path: Path) -> None:
+    assert dml.LocalBackend.spawn(2, lambda b: _state(b).resume(tmp_path / "none")) == [False, False]
+    assert not (tmp_path / "none").exists()
+
+
+def test_a_failed_write_is_raised_on_every_rank_at_the_next_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(state: object, path: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ts, "_write_atomic", broken)
+
+    def body(b: dml.Backend) -> str:
+        state = _state(b)
+        state.save(tmp_path)  # returns: the write runs in the background
+        with pytest.raises(OSError, match="No space left on device") as err:
+            state.save(tmp_path)
+        return str(err.value)
+
+    messages = dml.LocalBackend.spawn(3, body)
+    assert all("TrainState.save" in m and "rank 0" in m for m in messages), messages
+    assert not list(tmp_path.glob("state-*.pt"))
+
+
+def test_saves_run_in_the_background_and_never_overlap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = ts._write_atomic
+    spans: list[tuple[float, float]] = []
+    lock = threading.Lock()
+
+    def slow(state: object, path: str) -> None:
+        start = time.monotonic()
+        time.sleep(0.3)
+        real(state, path)
+        with lock:
+            spans.append((start, time.monotonic()))
+
+    monkeypatch.setattr(ts, "_write_atomic", slow)
+
+    def body(b: dml.Backend) -> float:
+        state = _state(b)
+        start = time.monotonic()
+        state.save(tmp_path)
+        returned = time.monotonic() - start
+        state._objects["model"].weight.data.add_(1.0)  # training goes on: the snapshot is not the live tensor
+        state.save(tmp_path)
+        state.wait()
+        return returned
+
+    returned = dml.LocalBackend.spawn(2, body)
+    assert max(returned) < 0.25, returned  # the first save returned before its 0.3 s write
+    first_write, second_write = sorted(spans)
+    assert second_write[0] >= first_write[1], spans  # the second write started after the first ended
+    first = torch.load(tmp_path / "state-00000001.pt", weights_only=True)
+    second = torch.load(tmp_path / "state-00000002.pt", weights_only=True)
+    assert torch.equal(second["model"]["weight"], first["model"]["weight"] + 1.0)
+
+
+def test_save_if_due_every_n_calls_and_every_t_seconds(tmp_path: Path) -> None:
+    def steps(b: dml.Backend) -> list[int]:
+        state = _state(b, every_steps=3)
+        return [k for k in range(1, 10) if state.save_if_due(tmp_path / "n")]
+
+    assert dml.LocalBackend.spawn(2, steps) == [[3, 6, 9]] * 2
+
+    def seconds(b: dml.Backend) -> list[int]:
+        state = _state(b, every_seconds=0.2)
+        due = []
+        for k in range(8):
+            if state.save_if_due(tmp_path / "t"):
+                due.append(k)
+            time.sleep(0.06)
+        state.wait()
+        return due
+
+    due = dml.LocalBackend.spawn(2, seconds)
+    assert due[0] == due[1] and 1 <= len(due[0]) <= 3, due  # rank 0's clock decides, for every rank
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        ({"keep": 0}, ValueError, "keep"),
+        ({"every_steps": 0}, ValueError, "every_steps"),
+        ({"every_seconds": -1}, ValueError, "every_seconds"),
+        ({"save": 1}, ValueError, "names of the state itself"),
+        ({"data": [1, 2]}, TypeError, "DistributedDataContainer"),
+    ],
+)
+def test_bad_arguments_raise_before_anything_is_sent(kw: dict[str, object], error: type, match: str) -> None:
+    backend = dml.LocalBackend()
+    with pytest.raises(error, match=match):
+        dml.TrainState(backend, **kw)  # type: ignore[arg-type]
+
+
+def test_user_values_are_attributes_and_come_back(tmp_path: Path) -> None:
+    def body(b: dml.Backend) -> tuple[int, str]:
+        state = _state(b, best=0.5, note="a")
+        state.step, state.note = 7, "b"
+        state.save(tmp_path)
+        state.wait()
+        again = _state(b, best=0.0, note="")
+        again.resume(tmp_path)
+        return again.step, again.note
+
+    assert dml.LocalBackend.spawn(2, body) == [(7, "b")] * 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 40), world=st.integers(1, 4), other=st.integers(1, 4), taken=st.integers(0, 12),
+    shuffle=st.booleans(), drop_last=st.booleans(),
+)  # fmt: skip
+def test_an_epoch_resumed_part_way_holds_the_rest_once(  # noqa: PLR0917 - hypothesis's arguments
+    n: int, world: int, other: int, taken: int, shuffle: bool, drop_last: bool
+) -> None:
+    data = np.arange(n)
+
+    def shares(size: int, start: int) -> list[tuple[list[int], int]]:
+        def body(b: dml.Backend) -> tuple[list[int], int]:
+            ddc = dml.DistributedDataContainer(b, data, shuffle=shuffle, seed=1, drop_last=drop_last)
+            ddc.set_epoch(2, start)
+            return [int(ddc[i]) for i in range(len(ddc))], ddc.num_padded
+
+        return dml.LocalBackend.spawn(size, body)
+
+    whole = shares(world, 0)
+    k = min(taken, len(whole[0][0]))  # each rank took its first k observations
+    start = min(n, k * world)
+    for (all_of_it, _), (rest, _) in zip(whole, shares(world, start), strict=True):
+        if start < n:  # the same ranks: the rest of each one's own share, in order
+            assert rest == all_of_it[k:], (all_of_it, k, rest)
+    taken_ids = [i for mine, padded in whole for i in mine[: min(k, len(mine) - padded)]]
+    rest = [i for mine, padded in shares(other, start) for i in mine[: len(mine) - padded]]
+    combined = sorted(taken_ids + rest)
+    assert len(combined) == len(set(combined)), (taken_ids, rest)  # nothing twice
+    if not drop_last:
+        assert combined == list(range(n)), (taken_ids, rest)  # nothing skipped (drop_last drops tails)
