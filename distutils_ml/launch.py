@@ -72,6 +72,7 @@ from distutils_ml.mpiexec_options import (
     given_options,
     values_taken,
 )
+from distutils_ml.restarts import run_with_restarts
 from distutils_ml.supervise import run_supervised
 
 __all__ = [
@@ -97,6 +98,9 @@ Run a Python script on N MPI ranks with this environment's mpiexec and interpret
 launcher options (anywhere before the script):
   -n N, -np N             number of ranks (inside a SLURM allocation: its tasks)
   --threads-per-rank K    torch/OpenMP threads per rank (default: cores // N, at least 1)
+  --restarts R            start a failed job again, up to R times, on the nodes that still
+                          answer (the script resumes through dml.TrainState)
+  --min-nodes M           restart only on at least M nodes (default 1)
   --dry-run               print the command and exit
 
 Every other option before the script goes to mpiexec as given, with its values
@@ -165,6 +169,10 @@ class LaunchArgs:
     dry_run: bool = False
     #: False when ``-n`` was not given and ``ranks`` is the default (a SLURM allocation's tasks).
     ranks_given: bool = True
+    #: ``--restarts``: how many times a failed job is started again (distutils_ml.restarts).
+    restarts: int = 0
+    #: ``--min-nodes``: the fewest nodes a restart may run on.
+    min_nodes: int = 1
 
 
 class Command(NamedTuple):
@@ -202,6 +210,7 @@ def parse_args(argv: Sequence[str], default_ranks: int | None = None) -> LaunchA
         raise ValueError(f"unknown command {args[0]!r}; the command is: distutils-ml launch ...\n{USAGE}")
     ranks = threads = None
     dry_run = False
+    restarts, min_nodes = 0, 1
     options: list[str] = []
     program: list[str] = []
     i = 0
@@ -214,17 +223,24 @@ def parse_args(argv: Sequence[str], default_ranks: int | None = None) -> LaunchA
         if arg == "-m" or (arg.endswith(".py") and not arg.startswith("-") and "=" not in arg):
             program = args[i:]
             break
-        if name in (*_RANK_OPTIONS, "--threads-per-rank"):
+        if name in (*_RANK_OPTIONS, "--threads-per-rank", "--restarts", "--min-nodes"):
             if not has_value:
                 if i + 1 == len(args):
                     raise ValueError(f"{name} needs a number after it\n{USAGE}")
                 i += 1
                 value = args[i]
-            number = _positive_int(name, value)
-            if name == "--threads-per-rank":
-                threads = number
+            if name == "--restarts":
+                if not value.isdigit():
+                    raise ValueError(f"--restarts takes a whole number >= 0, got {value!r}\n{USAGE}")
+                restarts = int(value)
             else:
-                ranks = number
+                number = _positive_int(name, value)
+                if name == "--threads-per-rank":
+                    threads = number
+                elif name == "--min-nodes":
+                    min_nodes = number
+                else:
+                    ranks = number
         elif arg == "--dry-run":
             dry_run = True
         else:
@@ -244,7 +260,9 @@ def parse_args(argv: Sequence[str], default_ranks: int | None = None) -> LaunchA
     ranks = ranks or default_ranks
     if ranks is None:
         raise ValueError(f"give the number of ranks with -n N\n{USAGE}")
-    return LaunchArgs(ranks, program, options, threads, dry_run, ranks_given=given)
+    return LaunchArgs(
+        ranks, program, options, threads, dry_run, ranks_given=given, restarts=restarts, min_nodes=min_nodes
+    )
 
 
 def find_mpiexec(python: str | None = None, path: str | None = None) -> str | None:
@@ -392,6 +410,13 @@ def main(argv: Sequence[str] | None = None, *, python: str | None = None) -> int
         return 0
     if not open_mpi:
         return run_supervised(command.argv, command.env)
+    if args.restarts:
+
+        def supervised(argv: list[str], env: dict[str, str], tmp: Path) -> int:
+            rank_hosts = tmp / "rank-hosts"
+            return run_supervised([argv[0], "-x", f"{_RANK_HOSTS_VAR}={rank_hosts}", *argv[1:]], env, rank_hosts)
+
+        return run_with_restarts(args, mpiexec, python, open_mpi, build_command, supervised)
     with tempfile.TemporaryDirectory(prefix="dml-launch-") as tmp:
         rank_hosts = Path(tmp) / "rank-hosts"
         argv = [command.argv[0], "-x", f"{_RANK_HOSTS_VAR}={rank_hosts}", *command.argv[1:]]

@@ -53,6 +53,7 @@ from distutils_ml.checkpoint import (
 )
 from distutils_ml.data import DistributedDataContainer
 from distutils_ml.objects import bcast_object, run_on_root
+from distutils_ml.restarts import write_report
 from distutils_ml.rng import rng_state_all, set_rng_state_all
 
 __all__ = ["TrainState"]
@@ -265,6 +266,8 @@ class TrainState:
                 warnings.warn(f"TrainState.resume: {name} is unreadable ({e}); trying an older one", stacklevel=2)
                 continue
             self._restore(ckpt)
+            if self.backend.rank == 0:
+                write_report(name, self.epoch, {k: getattr(self, k) for k in self._extra})
             return True
         return False
 

@@ -1,0 +1,134 @@
+"""``distutils-ml launch --restarts N --min-nodes M`` (distutils_ml/restarts.py): a failed job starts again on the
+nodes that answer and resumes through ``dml.TrainState`` (tests/restart_job.py), on the namespace cluster."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distutils_ml.launch import parse_args
+from distutils_ml.restarts import hosts_of, without_hosts
+
+import cluster
+from mpirun import mpi_env, requires_mpi
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+JOB = str(TESTS / "restart_job.py")
+LAUNCH = str(Path(sys.executable).parent / "distutils-ml")
+STALL = 10
+
+
+def test_the_options_and_the_nodes(tmp_path: Path) -> None:
+    args = parse_args(["-n", "4", "--restarts", "3", "--min-nodes=2", "--hostfile", "h", "train.py"])
+    assert (args.restarts, args.min_nodes, args.mpiexec_options) == (3, 2, ["--hostfile", "h"])
+    with pytest.raises(ValueError, match="--restarts takes a whole number"):
+        parse_args(["-n", "2", "--restarts", "x", "train.py"])
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# nodes\nnode-a slots=2\nnode-b slots=2 max_slots=4\n\nnode-c\n")
+    assert hosts_of(["--hostfile", str(hostfile)], {}) == [("node-a", 2), ("node-b", 2), ("node-c", 1)]
+    assert hosts_of(["-H", "a:2,b"], {}) == [("a", 2), ("b", 1)]
+    assert hosts_of(["--mca", "btl", "tcp"], {}) is None
+    assert without_hosts(["--mca", "btl", "tcp", "--hostfile", "h", "-H", "a,b", "-x", "A"]) == [
+        "--mca", "btl", "tcp", "-x", "A"
+    ]  # fmt: skip
+
+
+@requires_mpi
+def test_a_failure_that_repeats_at_the_same_point_stops_the_restarts(tmp_path: Path) -> None:
+    argv = [LAUNCH, "launch", "-n", "2", "--restarts", "5", "--allow-run-as-root", "--mca", "btl", "^ofi"]
+    run = subprocess.run([*argv, JOB, "bug", str(tmp_path)], env={**mpi_env(), "PYTHONPATH": str(TESTS)},
+                         capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    out = run.stderr + run.stdout
+    assert run.returncode != 0, out[-6000:]
+    # Attempt 1 fails from the start, attempt 2 resumed from step 8 and fails again: another point, so one more;
+    # attempt 3 fails as attempt 2 did: a bug.
+    assert "attempt 2 resumed from state-00000002.pt (epoch 0, step=8)" in out, out[-6000:]
+    assert "attempt 3 failed as attempt 2 did" in out and "a bug in the job, not a lost node" in out, out[-6000:]
+    assert "attempt 4 of 6" not in out, out[-6000:]
+
+
+def _up(nodes: int, slots: int) -> Iterator[cluster.Cluster]:
+    reason = cluster.unavailable()
+    if reason:
+        pytest.skip(reason)
+    with cluster.cluster(nodes, slots) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def two_by_two() -> Iterator[cluster.Cluster]:
+    yield from _up(2, 2)
+
+
+@pytest.fixture(scope="module")
+def three_by_one() -> Iterator[cluster.Cluster]:
+    yield from _up(3, 1)
+
+
+def _launch(c: cluster.Cluster, ranks: int, extra: list[str], fault: str, where: Path, **kw: object) -> cluster.Run:
+    argv = [LAUNCH, "launch", "-n", str(ranks), "--hostfile", str(c.hostfile), *cluster.MCA_OPTIONS, *extra]
+    argv += ["-x", f"PYTHONPATH={TESTS}", JOB, fault, str(where)]
+    return c.run(argv, timeout=200, env={"DML_TIMEOUT": str(STALL)}, cwd=ROOT, **kw)  # type: ignore[arg-type]
+
+
+def _at(text: str, label: str) -> float:
+    match = re.search(rf"{label} AT (\d+\.\d+)", text)
+    assert match, (label, text[-6000:])
+    return float(match.group(1))
+
+
+@requires_mpi
+def test_a_killed_rank_restarts_on_the_same_nodes_and_ends_bit_identical(
+    two_by_two: cluster.Cluster, tmp_path: Path
+) -> None:
+    c = two_by_two
+    plain = _launch(c, 4, [], "none", tmp_path / "plain")
+    assert plain.returncode == 0, plain.output[-6000:]
+    run = _launch(c, 4, ["--restarts", "2"], "kill-rank", tmp_path / "killed")
+    c.kill_all()
+    assert run.returncode == 0, run.output[-8000:]
+    assert "attempt 1 failed" in run.output and "restarting on node-a, node-b" in run.output, run.output[-8000:]
+    assert "attempt 2 resumed from state-00000002.pt (epoch 0, step=8)" in run.output, run.output[-8000:]
+    assert "FINISHED at step 24 on 4 ranks" in run.output, run.output[-8000:]  # 192 / 4 ranks / 4 a batch x 2
+    same = np.load(tmp_path / "killed" / "final.npy"), np.load(tmp_path / "plain" / "final.npy")
+    assert np.array_equal(*same), np.abs(same[0] - same[1]).max()
+    lost = _at(run.output, "FIRST STEP AFTER RESUME") - _at(run.output, "FAULT")
+    print(f"a killed rank: the first step after the resume came {lost:.1f} s after the kill")
+    assert lost < STALL + 30, lost
+
+
+@requires_mpi
+@pytest.mark.slow
+def test_a_node_cut_off_is_dropped_and_the_job_finishes_on_the_rest(
+    three_by_one: cluster.Cluster, tmp_path: Path
+) -> None:
+    c = three_by_one
+    cut_at: list[float] = []
+
+    def pull_the_cable(line: str) -> None:
+        if "CUT ME" in line and not cut_at:
+            import time
+
+            cut_at.append(time.time())
+            c.cut(2)
+
+    try:
+        run = _launch(c, 3, ["--restarts", "2", "--min-nodes", "2"], "cut", tmp_path, on_line=pull_the_cable)
+    finally:
+        c.mend(2)
+        c.kill_all()
+    assert run.returncode == 0, run.output[-8000:]
+    assert "restarting on node-a, node-b, without node-c (not answering)" in run.output, run.output[-8000:]
+    assert re.search(r"RESUMED AT \S+ step \d+ on 2 ranks", run.output), run.output[-8000:]
+    assert "FINISHED at step" in run.output and "on 2 ranks" in run.output, run.output[-8000:]
+    lost = _at(run.output, "FIRST STEP AFTER RESUME") - cut_at[0]
+    print(f"a node cut off: the first step after the resume came {lost:.1f} s after the cut")
+    print("\n".join(line for line in run.output.splitlines() if line.startswith("distutils-ml launch:")))
+    assert lost < STALL + 20 + 30, lost  # the stall timeout, the probes (20 s at most), the launch and the load
