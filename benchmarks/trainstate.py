@@ -48,14 +48,14 @@ def main() -> None:
     opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     state = dml.TrainState(backend, model=model, optimizer=opt, every_steps=args.every, keep=2, step=0)
     writes: list[float] = []
-    real = ts._write_atomic
+    real = ts.write_atomic
 
     def timed(obj: object, path: str) -> None:
         start = time.perf_counter()
         real(obj, path)
         writes.append(time.perf_counter() - start)
 
-    ts._write_atomic = timed
+    ts.write_atomic = timed
     gen = torch.Generator().manual_seed(backend.rank)
     x = torch.randn(64, widths[0], generator=gen)
     y = torch.randint(0, widths[-1], (64,), generator=gen)

@@ -49,7 +49,20 @@ try:
 except ImportError:  # not POSIX: no advisory locks
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["load", "rng_state", "rng_state_all", "save", "set_rng_state", "set_rng_state_all"]
+__all__ = [
+    "DESCEND",
+    "check_path",
+    "consolidated_states",
+    "load",
+    "rebuilt",
+    "rng_state",
+    "rng_state_all",
+    "save",
+    "set_rng_state",
+    "set_rng_state_all",
+    "state_of",
+    "write_atomic",
+]
 
 # Where file systems without flock (some Lustre mounts, Windows) leave a temporary file
 # alone: one modified this recently may still have a live writer.
@@ -60,7 +73,7 @@ _CHUNK = 1 << 24  # bytes read at a time while checking a checkpoint's CRC-32s
 _DOS_DIRECTORY = 0x10  # the "directory" bit of a zip record's external attributes
 
 
-def _check_path(path: Any, caller: str) -> str:
+def check_path(path: Any, caller: str) -> str:
     """``path`` as a str, or a ``TypeError`` / ``ValueError`` naming what was given."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{caller}: path: got {type(path).__qualname__}; allowed: a str or os.PathLike file path")
@@ -72,28 +85,28 @@ def _check_path(path: Any, caller: str) -> str:
     return text
 
 
-_DESCEND = object()  # a leaf function's answer: not a leaf, rebuild the container around its items
+DESCEND = object()  # a leaf function's answer: not a leaf, rebuild the container around its items
 
 
-def _rebuilt(obj: Any, leaf: Callable[[Any, str], Any], where: str = "obj") -> Any:
-    """``obj`` with ``leaf(x, where)`` in place of each item ``x`` for which it does not return ``_DESCEND``.
+def rebuilt(obj: Any, leaf: Callable[[Any, str], Any], where: str = "obj") -> Any:
+    """``obj`` with ``leaf(x, where)`` in place of each item ``x`` for which it does not return ``DESCEND``.
 
     dicts, lists, tuples, namedtuples and dataclasses are rebuilt with the same types (frozen
     dataclasses too); anything else is kept as it is. ``where`` names the item (``obj['opt']``).
     """
     out = leaf(obj, where)
-    if out is not _DESCEND:
+    if out is not DESCEND:
         return out
     if type(obj) in (dict, OrderedDict):
-        return type(obj)((k, _rebuilt(v, leaf, f"{where}[{k!r}]")) for k, v in obj.items())
+        return type(obj)((k, rebuilt(v, leaf, f"{where}[{k!r}]")) for k, v in obj.items())
     if type(obj) in (list, tuple):
-        return type(obj)(_rebuilt(v, leaf, f"{where}[{i}]") for i, v in enumerate(obj))
+        return type(obj)(rebuilt(v, leaf, f"{where}[{i}]") for i, v in enumerate(obj))
     if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):  # namedtuple
-        return type(obj)(*(_rebuilt(getattr(obj, f), leaf, f"{where}.{f}") for f in type(obj)._fields))
+        return type(obj)(*(rebuilt(getattr(obj, f), leaf, f"{where}.{f}") for f in type(obj)._fields))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         new = copy.copy(obj)
         for f in dataclasses.fields(obj):
-            object.__setattr__(new, f.name, _rebuilt(getattr(obj, f.name), leaf, f"{where}.{f.name}"))
+            object.__setattr__(new, f.name, rebuilt(getattr(obj, f.name), leaf, f"{where}.{f.name}"))
         return new
     return obj
 
@@ -111,16 +124,16 @@ def _state_leaf(obj: Any, where: str) -> Any:
             "epoch from the beginning); save the DistributedDataContainer instead (its epoch), and for a "
             "mid-epoch resume use torchdata's StatefulDataLoader, which saves its position"
         )
-    return _DESCEND
+    return DESCEND
 
 
-def _state_of(obj: Any) -> Any:
+def state_of(obj: Any) -> Any:
     """``obj`` with live objects replaced by their state, containers rebuilt recursively (same types)."""
-    return _rebuilt(obj, _state_leaf)
+    return rebuilt(obj, _state_leaf)
 
 
 def _sharded_at(obj: Any) -> list[str]:
-    """Where ``obj`` holds sharded optimizers (``obj['opt']``...), in the order ``_collective_states`` asks them."""
+    """Where ``obj`` holds sharded optimizers (``obj['opt']``...), in the order ``consolidated_states`` asks them."""
     from distutils_ml.sharded import ShardedOptimizer
 
     found: list[str] = []
@@ -129,13 +142,13 @@ def _sharded_at(obj: Any) -> list[str]:
         if isinstance(x, ShardedOptimizer):
             found.append(where)
             return x
-        return x if isinstance(x, (torch.Tensor, np.ndarray, type)) else _DESCEND
+        return x if isinstance(x, (torch.Tensor, np.ndarray, type)) else DESCEND
 
-    _rebuilt(obj, leaf)
+    rebuilt(obj, leaf)
     return found
 
 
-def _collective_states(backend: Backend, obj: Any) -> Any:
+def consolidated_states(backend: Backend, obj: Any) -> Any:
     """``obj`` with every sharded optimizer replaced by its ``state_dict(to=0)``, on every rank (collectives).
 
     A ``dml.ShardedOptimizer`` consolidates its state from every rank's shard, so every rank must
@@ -161,9 +174,9 @@ def _collective_states(backend: Backend, obj: Any) -> Any:
     def leaf(x: Any, where: str) -> Any:
         if isinstance(x, ShardedOptimizer):
             return x.state_dict(to=0)
-        return x if isinstance(x, (torch.Tensor, np.ndarray, type)) else _DESCEND
+        return x if isinstance(x, (torch.Tensor, np.ndarray, type)) else DESCEND
 
-    return _rebuilt(obj, leaf)
+    return rebuilt(obj, leaf)
 
 
 def _leftover_temporaries(path: str) -> list[str]:
@@ -282,7 +295,7 @@ def _crc32_on() -> Iterator[None]:
         torch.serialization.set_crc32_options(False)
 
 
-def _write_atomic(state: Any, path: str) -> None:
+def write_atomic(state: Any, path: str) -> None:
     """``torch.save(state)`` to a locked temporary file beside ``path``, fsync, then rename over ``path``."""
     directory = os.path.dirname(os.path.abspath(path))
     _check_directory(directory, path)
@@ -425,11 +438,11 @@ def save(backend: Backend, obj: Any, path: str | os.PathLike[str]) -> None:
         >>> dml.save(backend, {**state, "rng": dml.rng_state_all(backend)}, "ckpt.pt")  # every rank's streams
     """
     check_backend(backend, "save")
-    path = _check_path(path, "save")
-    obj = _collective_states(backend, obj)  # sharded optimizers: every rank takes part in consolidating their state
+    path = check_path(path, "save")
+    obj = consolidated_states(backend, obj)  # sharded optimizers: every rank takes part in consolidating their state
     # Rank 0 writes inside the collective: the others wait in it, not before it (no stall report).
     what = f"save: could not write the checkpoint {path!r}"
-    run_on_root(backend, lambda: _write_atomic(_state_of(obj), path), what=what)
+    run_on_root(backend, lambda: write_atomic(state_of(obj), path), what=what)
 
 
 def load(backend: Backend, path: str | os.PathLike[str], *, weights_only: bool = True) -> Any:
@@ -482,7 +495,7 @@ def load(backend: Backend, path: str | os.PathLike[str], *, weights_only: bool =
         >>> dml.set_rng_state_all(backend, ckpt["rng"])  # this rank's streams, as they were at the save
     """
     check_backend(backend, "load")
-    path = _check_path(path, "load")
+    path = check_path(path, "load")
     if not isinstance(weights_only, bool):
         raise TypeError(f"load: weights_only: got {type(weights_only).__qualname__}; allowed: True or False")
     # Rank 0 reads inside the collective: the others wait in it, not before it (no stall report).

@@ -14,7 +14,6 @@ the job runs on this machine and is restarted there.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -29,11 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from distutils_ml.mpiexec_options import HOST_OPTIONS, given_options, values_taken
+from distutils_ml.trainstate import RESUME_REPORT_ENV
 
 __all__ = ["allocation_hosts", "answering", "hosts_of", "run_with_restarts", "without_hosts"]
 
-#: Where TrainState.resume (rank 0) writes where it resumed from, for the launcher's log.
-REPORT_VAR = "DML_RESUME_REPORT"
 _PROBE_S = 20.0
 
 
@@ -129,7 +127,7 @@ def run_with_restarts(  # noqa: PLR0917 - the launcher's pieces, passed in by la
                 placed = [*options, "--hostfile", str(hostfile)]
             command = build(dataclasses.replace(args, ranks=ranks, mpiexec_options=placed), mpiexec=mpiexec,
                             python=python, open_mpi=open_mpi)  # fmt: skip
-            argv = [command.argv[0], "-x", f"{REPORT_VAR}={report}", *command.argv[1:]]
+            argv = [command.argv[0], "-x", f"{RESUME_REPORT_ENV}={report}", *command.argv[1:]]
             _say(f"attempt {attempt} of {attempts}: {ranks} rank(s) on {', '.join(nodes)}")
             code = supervise(argv, command.env, Path(tmp))
             resumed = _read_report(report)
@@ -178,13 +176,3 @@ def _read_report(path: Path) -> str | None:
 
 def _say(text: str) -> None:
     print(f"distutils-ml launch: {text}", file=sys.stderr, flush=True)
-
-
-def write_report(file: str, epoch: int, values: Mapping[str, Any]) -> None:
-    """Rank 0 of a resumed job: where it resumed from, for the launcher (``DML_RESUME_REPORT``), if it asked."""
-    where = os.environ.get(REPORT_VAR)
-    if not where:
-        return
-    simple = {k: v for k, v in values.items() if isinstance(v, (int, float, str, bool))}
-    with contextlib.suppress(OSError):  # a report for the log only
-        Path(where).write_text(json.dumps({"file": file, "epoch": epoch, "values": simple}))

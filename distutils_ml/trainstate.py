@@ -31,34 +31,38 @@ older ones.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import threading
 import time
 import warnings
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from distutils_ml.backends.base import Backend, check_backend
 from distutils_ml.checkpoint import (
-    _DESCEND,
-    _check_path,
-    _collective_states,
-    _rebuilt,
-    _state_of,
-    _write_atomic,
+    DESCEND,
+    check_path,
+    consolidated_states,
     load,
+    rebuilt,
+    state_of,
+    write_atomic,
 )
 from distutils_ml.data import DistributedDataContainer
 from distutils_ml.objects import bcast_object, run_on_root
-from distutils_ml.restarts import write_report
 from distutils_ml.rng import rng_state_all, set_rng_state_all
 
-__all__ = ["TrainState"]
+__all__ = ["RESUME_REPORT_ENV", "TrainState"]
 
 _FILE = re.compile(r"state-(\d{8,})\.pt")
+#: Set by ``distutils-ml launch --restarts``: a file where rank 0 of a resumed job says where it resumed from.
+RESUME_REPORT_ENV = "DML_RESUME_REPORT"
 _FORMAT = 1
 _OWN = frozenset(
     {"backend", "epoch", "start", "saves", "epochs", "batches", "save", "save_if_due", "resume", "wait", "keep"}
@@ -176,14 +180,14 @@ class TrainState:
         Waits for the previous write first (raising its failure on every rank), gathers what needs every rank,
         and returns once rank 0 holds a copy in host memory: the file is written in the background.
         """
-        path = _check_path(path, "TrainState.save")
+        path = check_path(path, "TrainState.save")
         seq = run_on_root(self.backend, lambda: self._settle(path), what=f"TrainState.save: in {path!r}")
-        obj = _collective_states(self.backend, self._content())
+        obj = consolidated_states(self.backend, self._content())
         self.saves += 1
         self._last = time.monotonic()
         if self.backend.rank != 0:
             return
-        snapshot = _rebuilt(_state_of(obj), self._copy)  # host memory: training may change the live tensors now
+        snapshot = rebuilt(state_of(obj), self._copy)  # host memory: training may change the live tensors now
         target = os.path.join(path, f"state-{seq + 1:08d}.pt")
         self._writer = threading.Thread(target=self._write, args=(snapshot, target, path), name="dml-trainstate")
         self._writer.start()
@@ -227,7 +231,7 @@ class TrainState:
         """A tensor's copy in this state's host buffer for its place (the previous write is done: it is free).
         Reused, so a save after the first touches no fresh memory (fresh pages cost 2-20x the copy here)."""
         if not isinstance(obj, torch.Tensor):
-            return _DESCEND
+            return DESCEND
         have = self._host.get(where)
         if have is None or have.shape != obj.shape or have.dtype != obj.dtype or have.stride() != obj.stride():
             have = self._host[where] = torch.empty_strided(obj.shape, obj.stride(), dtype=obj.dtype, device="cpu")
@@ -235,7 +239,7 @@ class TrainState:
 
     def _write(self, snapshot: Any, target: str, directory: str) -> None:
         try:
-            _write_atomic(snapshot, target)
+            write_atomic(snapshot, target)
             for _, name in _checkpoints(directory)[: -self.keep]:
                 os.unlink(os.path.join(directory, name))
         except BaseException as e:  # reported at the next save or wait, on every rank
@@ -251,7 +255,7 @@ class TrainState:
         another world size the model, optimizer (resharded), scheduler, scaler and user values are restored, the
         rest of the saved epoch is split over the new ranks, and the random streams start afresh (a warning).
         """
-        path = _check_path(path, "TrainState.resume")
+        path = check_path(path, "TrainState.resume")
         names = run_on_root(
             self.backend,
             lambda: [name for _, name in reversed(_checkpoints(path))] if os.path.isdir(path) else [],
@@ -267,7 +271,7 @@ class TrainState:
                 continue
             self._restore(ckpt)
             if self.backend.rank == 0:
-                write_report(name, self.epoch, {k: getattr(self, k) for k in self._extra})
+                _report(name, self.epoch, {k: getattr(self, k) for k in self._extra})
             return True
         return False
 
@@ -321,3 +325,13 @@ def _batch_len(batch: Any) -> int:
         f"TrainState.batches: cannot tell how many observations a batch holds ({type(batch).__name__}); "
         "batches must hold tensors or arrays with the observations along their first axis"
     )
+
+
+def _report(file: str, epoch: int, values: dict[str, Any]) -> None:
+    """Rank 0 of a resumed job: where it resumed from, for the launcher's log (``RESUME_REPORT_ENV``), if it asked."""
+    where = os.environ.get(RESUME_REPORT_ENV)
+    if not where:
+        return
+    simple = {k: v for k, v in values.items() if isinstance(v, (int, float, str, bool))}
+    with contextlib.suppress(OSError):  # for the log only
+        Path(where).write_text(json.dumps({"file": file, "epoch": epoch, "values": simple}))

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import settings
 
+import cluster
 import mpirun
 
 pytest_plugins = ["pytester"]  # tests/test_harness.py runs pytest on generated files
@@ -116,3 +117,26 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_timeout_cancel_timer(item: pytest.Item) -> None:
     mpirun.start_test_timer(None)
+
+
+# -- the namespace clusters of tests/cluster.py, one per module that asks (test_cluster, test_restarts) ---------
+
+
+def _cluster(nodes: int, slots: int) -> Iterator[cluster.Cluster]:
+    reason = cluster.unavailable()
+    if reason:
+        pytest.skip(reason)
+    with cluster.cluster(nodes, slots) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def two_by_two() -> Iterator[cluster.Cluster]:
+    """2 nodes of 2 slots, up for the module's tests."""
+    yield from _cluster(2, 2)
+
+
+@pytest.fixture(scope="module")
+def three_by_one() -> Iterator[cluster.Cluster]:
+    """3 nodes of 1 slot, up for the module's tests."""
+    yield from _cluster(3, 1)

@@ -41,24 +41,6 @@ STALL = 10  # DML_TIMEOUT of the fault jobs
 pytestmark = requires_mpi
 
 
-def _up(nodes: int, slots: int) -> Iterator[cluster.Cluster]:
-    reason = cluster.unavailable()
-    if reason:
-        pytest.skip(reason)
-    with cluster.cluster(nodes, slots) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def two_by_two() -> Iterator[cluster.Cluster]:
-    yield from _up(2, 2)
-
-
-@pytest.fixture(scope="module")
-def three_by_one() -> Iterator[cluster.Cluster]:
-    yield from _up(3, 1)
-
-
 @pytest.fixture(params=["2x2", "3x1"])
 def layout(request: pytest.FixtureRequest) -> cluster.Cluster:
     return request.getfixturevalue({"2x2": "two_by_two", "3x1": "three_by_one"}[request.param])

@@ -63,11 +63,13 @@ LAYER = {
     "distutils_ml.streams": "training",
     "distutils_ml.rng": "training",
     "distutils_ml.checkpoint": "training",
+    "distutils_ml.trainstate": "training",
     # faces: the public API, and the launcher (a program of its own)
     "distutils_ml": "faces",
     "distutils_ml.launch": "faces",
     "distutils_ml.mpiexec_options": "faces",
     "distutils_ml.supervise": "faces",
+    "distutils_ml.restarts": "faces",
 }
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -52,24 +51,6 @@ def test_a_failure_that_repeats_at_the_same_point_stops_the_restarts(tmp_path: P
     assert "attempt 2 resumed from state-00000002.pt (epoch 0, step=8)" in out, out[-6000:]
     assert "attempt 3 failed as attempt 2 did" in out and "a bug in the job, not a lost node" in out, out[-6000:]
     assert "attempt 4 of 6" not in out, out[-6000:]
-
-
-def _up(nodes: int, slots: int) -> Iterator[cluster.Cluster]:
-    reason = cluster.unavailable()
-    if reason:
-        pytest.skip(reason)
-    with cluster.cluster(nodes, slots) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def two_by_two() -> Iterator[cluster.Cluster]:
-    yield from _up(2, 2)
-
-
-@pytest.fixture(scope="module")
-def three_by_one() -> Iterator[cluster.Cluster]:
-    yield from _up(3, 1)
 
 
 def _launch(c: cluster.Cluster, ranks: int, extra: list[str], fault: str, where: Path, **kw: object) -> cluster.Run:

@@ -37,7 +37,7 @@ pytestmark = requires_mpi
 
 
 @pytest.fixture(scope="module")
-def two_by_two() -> Iterator[slurm.Slurm]:
+def slurm_2x2() -> Iterator[slurm.Slurm]:
     reason = slurm.unavailable()
     if reason:
         pytest.skip(reason)
@@ -109,9 +109,9 @@ def _job_processes(c: cluster.Cluster, nodes: list[int] | None = None) -> list[s
 
 
 def test_the_sbatch_template_trains_to_the_parameters_of_the_mpiexec_run(
-    two_by_two: slurm.Slurm, tmp_path: Path
+    slurm_2x2: slurm.Slurm, tmp_path: Path
 ) -> None:
-    s = two_by_two
+    s = slurm_2x2
     out = tmp_path / "job.out"
     job = _sbatch(s, TEMPLATE, out, "train", str(tmp_path / "slurm.npy"))
     state, _ = _wait(s, job, 120)
@@ -127,8 +127,8 @@ def test_the_sbatch_template_trains_to_the_parameters_of_the_mpiexec_run(
     ).max()
 
 
-def test_node_ranks_and_gpus_come_from_slurm_and_agree_with_mpiexec(two_by_two: slurm.Slurm, tmp_path: Path) -> None:
-    s, c = two_by_two, two_by_two.cluster
+def test_node_ranks_and_gpus_come_from_slurm_and_agree_with_mpiexec(slurm_2x2: slurm.Slurm, tmp_path: Path) -> None:
+    s, c = slurm_2x2, slurm_2x2.cluster
     out = tmp_path / "job.out"
     job = _sbatch(s, GPU_TEMPLATE, out, "info", str(tmp_path / "slurm.json"), env={"DML_TIMEOUT": "17"})
     state, _ = _wait(s, job, 120)
@@ -163,8 +163,8 @@ def test_node_ranks_and_gpus_come_from_slurm_and_agree_with_mpiexec(two_by_two: 
         assert "CUDA_VISIBLE_DEVICES" not in theirs and len(theirs["visible"]) == 2, theirs
 
 
-def test_launch_inside_an_allocation_uses_its_nodes_without_a_hostfile(two_by_two: slurm.Slurm, tmp_path: Path) -> None:
-    s = two_by_two
+def test_launch_inside_an_allocation_uses_its_nodes_without_a_hostfile(slurm_2x2: slurm.Slurm, tmp_path: Path) -> None:
+    s = slurm_2x2
     info = tmp_path / "launch.json"
     argv = ["salloc", "-N", "2", "--ntasks-per-node=2", LAUNCH, "launch", "--allow-run-as-root", *cluster.MCA_OPTIONS]
     run = s.run([*argv, "-x", f"PYTHONPATH={TESTS}", JOB, "info", str(info)], timeout=120, env=ENV, cwd=ROOT)
@@ -178,11 +178,11 @@ def test_launch_inside_an_allocation_uses_its_nodes_without_a_hostfile(two_by_tw
     ], ranks  # fmt: skip
 
 
-def test_a_dml_setting_that_differs_between_srun_tasks_is_refused(two_by_two: slurm.Slurm, tmp_path: Path) -> None:
+def test_a_dml_setting_that_differs_between_srun_tasks_is_refused(slurm_2x2: slurm.Slurm, tmp_path: Path) -> None:
     # Task 3 alone gets another stall timeout, as an environment that reached one node only would give.
     task3 = 'if [ "$SLURM_PROCID" = 3 ]; then export DML_TIMEOUT=7; fi; exec "$0" "$@"'
     argv = ["srun", "-N", "2", "-n", "4", "--mpi=pmix", "sh", "-c", task3, PYTHON, JOB, "info", str(tmp_path / "i")]
-    run = two_by_two.run(argv, timeout=120, env={**ENV, "DML_TIMEOUT": "20"}, cwd=ROOT)
+    run = slurm_2x2.run(argv, timeout=120, env={**ENV, "DML_TIMEOUT": "20"}, cwd=ROOT)
     assert run.returncode not in (0, None), run.output[-8000:]
     assert "the ranks were given different options" in run.output, run.output[-8000:]
     assert "20.0 on rank(s) [0, 1, 2] on node-a, node-b; 7.0 on rank(s) [3] on node-b" in run.output, run.output[-8000:]
@@ -191,10 +191,10 @@ def test_a_dml_setting_that_differs_between_srun_tasks_is_refused(two_by_two: sl
 
 @pytest.mark.parametrize("mpi", ["--mpi=pmi2", None])
 def test_srun_with_another_pmi_or_none_is_refused_saying_what_to_type(
-    two_by_two: slurm.Slurm, tmp_path: Path, mpi: str | None
+    slurm_2x2: slurm.Slurm, tmp_path: Path, mpi: str | None
 ) -> None:
     argv = ["srun", "-N", "2", "-n", "4", *([mpi] if mpi else []), PYTHON, JOB, "info", str(tmp_path / "i")]
-    run = two_by_two.run(argv, timeout=120, env=ENV, cwd=ROOT)
+    run = slurm_2x2.run(argv, timeout=120, env=ENV, cwd=ROOT)
     assert run.returncode not in (0, None), run.output[-8000:]
     said = f"srun started 4 tasks (SLURM_STEP_NUM_TASKS=4) with --mpi={(mpi or '--mpi=none').split('=')[1]}"
     assert run.output.count(said) == 4, run.output[-8000:]  # on every task
@@ -204,8 +204,8 @@ def test_srun_with_another_pmi_or_none_is_refused_saying_what_to_type(
     assert not (tmp_path / "i").exists()
 
 
-def test_scancel_ends_every_rank_and_leaves_the_checkpoint_whole(two_by_two: slurm.Slurm, tmp_path: Path) -> None:
-    s = two_by_two
+def test_scancel_ends_every_rank_and_leaves_the_checkpoint_whole(slurm_2x2: slurm.Slurm, tmp_path: Path) -> None:
+    s = slurm_2x2
     out, ckpt = tmp_path / "job.out", tmp_path / "ckpt.pt"
     job = _sbatch(s, TEMPLATE, out, "checkpoint", str(ckpt))
     _until(out, "saved 3", 120)  # the next checkpoint is being written when scancel comes
@@ -227,8 +227,8 @@ def test_scancel_ends_every_rank_and_leaves_the_checkpoint_whole(two_by_two: slu
 
 
 @pytest.mark.parametrize("how", ["killed", "cut"])
-def test_a_node_that_dies_ends_the_job_naming_it(two_by_two: slurm.Slurm, tmp_path: Path, how: str) -> None:
-    s = two_by_two
+def test_a_node_that_dies_ends_the_job_naming_it(slurm_2x2: slurm.Slurm, tmp_path: Path, how: str) -> None:
+    s = slurm_2x2
     out = tmp_path / "job.out"
     # --no-requeue: by default SLURM puts a job that lost a node back in the queue, to start again from the top.
     job = _sbatch(s, TEMPLATE, out, "steps", env={"DML_TIMEOUT": str(STALL)}, sbatch=("--no-requeue",))

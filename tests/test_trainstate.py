@@ -114,7 +114,7 @@ def test_a_failed_write_is_raised_on_every_rank_at_the_next_save(
     def broken(state: object, path: str) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ts, "_write_atomic", broken)
+    monkeypatch.setattr(ts, "write_atomic", broken)
 
     def body(b: dml.Backend) -> str:
         state = _state(b)
@@ -129,7 +129,7 @@ def test_a_failed_write_is_raised_on_every_rank_at_the_next_save(
 
 
 def test_saves_run_in_the_background_and_never_overlap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = ts._write_atomic
+    real = ts.write_atomic
     spans: list[tuple[float, float]] = []
     lock = threading.Lock()
 
@@ -140,7 +140,7 @@ def test_saves_run_in_the_background_and_never_overlap(tmp_path: Path, monkeypat
         with lock:
             spans.append((start, time.monotonic()))
 
-    monkeypatch.setattr(ts, "_write_atomic", slow)
+    monkeypatch.setattr(ts, "write_atomic", slow)
 
     def body(b: dml.Backend) -> float:
         state = _state(b)
