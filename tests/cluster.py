@@ -187,9 +187,28 @@ class Cluster:
         """Pull node ``node``'s cable: its switch port goes down (nothing reaches it or leaves it)."""
         _ip("-n", self.switch, "link", "set", self.port(node), "down")
 
-    def mend(self, node: int) -> None:
-        """Plug node ``node``'s cable back in."""
+    def mend(self, node: int, timeout: float = 15) -> None:
+        """Plug node ``node``'s cable back in, and wait until another node reaches it again (a job started at once
+        could otherwise find the link not yet passing traffic: "A daemon failed to report back")."""
         _ip("-n", self.switch, "link", "set", self.port(node), "up")
+        if self.nodes < 2:
+            return
+        deadline = time.monotonic() + timeout
+        while not self._reaches((node + 1) % self.nodes, node):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.hosts[node]} is not reachable {timeout} s after its cable was plugged in")
+            time.sleep(0.1)
+
+    def _reaches(self, source: int, target: int) -> bool:
+        """Whether node ``source`` reaches node ``target``: a TCP connection to a closed port is refused, not lost."""
+        probe = (
+            "import socket, sys\n"
+            "try:\n    socket.create_connection((sys.argv[1], 9), 0.5)\n"
+            "except ConnectionRefusedError:\n    sys.exit(0)\n"
+            "except OSError:\n    sys.exit(1)\n"
+        )
+        argv = ["ip", "netns", "exec", self.namespaces[source], sys.executable, "-c", probe, self.addresses[target]]
+        return subprocess.run(argv, capture_output=True, timeout=10, check=False).returncode == 0
 
     def command(self, argv: Sequence[str], node: int = 0) -> list[str]:
         """``argv`` as run on node ``node``: in its network namespace, under its hostname."""
@@ -274,11 +293,21 @@ class Cluster:
             time.sleep(wait)
 
     def kill_all(self) -> None:
-        """SIGKILL every process on the nodes (the cluster stays up)."""
+        """SIGKILL every process on the nodes (the cluster stays up), and remove the session directories Open MPI's
+        daemons kept on them (``/tmp/ompi.<node>.<uid>``): a killed job leaves its own there, and a later job whose
+        job family happens to match a stale one may fail to start its daemon."""
         for ns in self.namespaces:
             for pid in _ip("netns", "pids", ns, check=False).stdout.split():
                 with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while any(_ip("netns", "pids", ns, check=False).stdout.split() for ns in self.namespaces):
+            if time.monotonic() > deadline:
+                return  # something survives SIGKILL for now: leave its files
+            time.sleep(0.05)
+        for host in self.hosts:
+            for stale in Path(tempfile.gettempdir()).glob(f"ompi.{host}.*"):
+                shutil.rmtree(stale, ignore_errors=True)
 
     def popen(
         self, argv: Sequence[str], node: int = 0, env: Mapping[str, str] | None = None, **kw: object
