@@ -64,9 +64,8 @@ _FILE = re.compile(r"state-(\d{8,})\.pt")
 #: Set by ``distutils-ml launch --restarts``: a file where rank 0 of a resumed job says where it resumed from.
 RESUME_REPORT_ENV = "DML_RESUME_REPORT"
 _FORMAT = 1
-_OWN = frozenset(
-    {"backend", "epoch", "start", "saves", "epochs", "batches", "save", "save_if_due", "resume", "wait", "keep"}
-)
+#: The state's own attributes (its methods are found on the class): no user value may take their names.
+_OWN = frozenset({"backend", "epoch", "start", "saves", "keep"})
 
 
 class TrainState:

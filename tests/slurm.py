@@ -120,9 +120,7 @@ class Slurm:
                 if not dev.exists():
                     os.mknod(dev, 0o666 | 0o020000, os.makedev(1, 3))  # a character device, like /dev/null
             (etc / "gres.conf").write_text(f"NodeName={host} Name=gpu File={d}/{host}-gpu[0-{GPUS_PER_NODE - 1}]\n")
-        self._start("slurmctld", 0, ["slurmctld", "-D", "-i"])
-        for node in range(c.nodes):
-            self.start_node(node)
+        self._start_daemons()
         self.wait_idle(timeout)
 
     def down(self) -> None:
@@ -135,6 +133,11 @@ class Slurm:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
         self._daemons.clear()
+
+    def _start_daemons(self) -> None:
+        self._start("slurmctld", 0, ["slurmctld", "-D", "-i"])
+        for node in range(self.cluster.nodes):
+            self.start_node(node)
 
     def start_node(self, node: int) -> None:
         """(Re)start node ``node``'s ``slurmd``."""
@@ -203,11 +206,8 @@ class Slurm:
         On a timeout the cluster kills every process on the nodes, the daemons too: they are started again."""
         run = self.cluster.run(argv, timeout, env=self.env(env), on_line=on_line, cwd=cwd)
         if run.returncode is None:
-            self._daemons.clear()
             self.down()
-            self._start("slurmctld", 0, ["slurmctld", "-D", "-i"])
-            for node in range(self.cluster.nodes):
-                self.start_node(node)
+            self._start_daemons()
             self.wait_idle()
         return run
 

@@ -119,7 +119,6 @@ def exact_body(world: dml.Backend, case: Case) -> None:
     whole = train(*build(world, case), os.path.join(root, "whole"))
     assert whole is not None
     cut, loader = build(world, case)
-    total = cut.step
     if train(cut, loader, os.path.join(root, "cut"), stop=case.stop) is not None:
         return  # the run ended before the cut
     total = cut.step
