@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from distutils_ml import sessiondirs
+
 #: Hostnames of the nodes, in order.
 HOSTNAMES = tuple(f"node-{chr(ord('a') + i)}" for i in range(26))
 _NETNS_ETC = Path("/etc/netns")  # ip netns exec bind-mounts /etc/netns/NS/hosts over /etc/hosts
@@ -162,6 +164,7 @@ class Cluster:
                 self._line = DelayLine(*self.namespaces, *self.addresses, delay_s=delay, rate_bit_s=rate, ifname="eth0")
                 self._line.start()
             self.hostfile.write_text("".join(f"{h} slots={self.slots}\n" for h in self.hosts))
+            sessiondirs.remove_stale(hosts=self.hosts)  # left by a run that was killed before its kill_all
             self._write_agent()
         except BaseException:
             self.down()
@@ -292,22 +295,25 @@ class Cluster:
         if asked:
             time.sleep(wait)
 
+    def kill(self, node: int) -> None:
+        """SIGKILL every process on node ``node`` (its daemon, its ranks, the launcher's agent into it), as when a
+        node's processes are all killed; what they leave behind (session directories) stays, as it would."""
+        for pid in _ip("netns", "pids", self.namespaces[node], check=False).stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+
     def kill_all(self) -> None:
-        """SIGKILL every process on the nodes (the cluster stays up), and remove the session directories Open MPI's
-        daemons kept on them (``/tmp/ompi.<node>.<uid>``): a killed job leaves its own there, and a later job whose
-        job family happens to match a stale one may fail to start its daemon."""
-        for ns in self.namespaces:
-            for pid in _ip("netns", "pids", ns, check=False).stdout.split():
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), signal.SIGKILL)
+        """SIGKILL every process on the nodes (the cluster stays up), and remove the session directories that the
+        killed ``mpiexec`` and daemons leave (``/tmp/ompi.<pid>``, ``/tmp/prted.<pid>``): a later one that gets the
+        same process id would fail to start ("Daemon exit status: 213"; distutils_ml/sessiondirs.py)."""
+        for node in range(self.nodes):
+            self.kill(node)
         deadline = time.monotonic() + 5
         while any(_ip("netns", "pids", ns, check=False).stdout.split() for ns in self.namespaces):
             if time.monotonic() > deadline:
                 return  # something survives SIGKILL for now: leave its files
             time.sleep(0.05)
-        for host in self.hosts:
-            for stale in Path(tempfile.gettempdir()).glob(f"ompi.{host}.*"):
-                shutil.rmtree(stale, ignore_errors=True)
+        sessiondirs.remove_stale(hosts=self.hosts)
 
     def popen(
         self, argv: Sequence[str], node: int = 0, env: Mapping[str, str] | None = None, **kw: object

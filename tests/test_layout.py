@@ -70,6 +70,7 @@ LAYER = {
     "distutils_ml.mpiexec_options": "faces",
     "distutils_ml.supervise": "faces",
     "distutils_ml.restarts": "faces",
+    "distutils_ml.sessiondirs": "faces",
 }
 
 
