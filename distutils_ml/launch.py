@@ -412,9 +412,10 @@ def main(argv: Sequence[str] | None = None, *, python: str | None = None) -> int
         return run_supervised(command.argv, command.env)
     if args.restarts:
 
-        def supervised(argv: list[str], env: dict[str, str], tmp: Path) -> int:
+        def supervised(argv: list[str], env: dict[str, str], tmp: Path, lost: list[str]) -> int:
             rank_hosts = tmp / "rank-hosts"
-            return run_supervised([argv[0], "-x", f"{_RANK_HOSTS_VAR}={rank_hosts}", *argv[1:]], env, rank_hosts)
+            argv = [argv[0], "-x", f"{_RANK_HOSTS_VAR}={rank_hosts}", *argv[1:]]
+            return run_supervised(argv, env, rank_hosts, lost)
 
         return run_with_restarts(args, mpiexec, python, open_mpi, build_command, supervised)
     with tempfile.TemporaryDirectory(prefix="dml-launch-") as tmp:

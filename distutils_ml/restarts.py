@@ -1,12 +1,13 @@
 """Restarting a failed job on the nodes that still answer: ``distutils-ml launch --restarts N --min-nodes M``.
 
 The launcher runs the job; when it fails, it asks every node whether a job can still start there (a one-process
-``mpiexec -H node:1 true`` per node, in parallel, 20 s at most: the same way in as the job's), drops those that do
-not answer, and starts the job again on the others with as many ranks per node as before, if at least M nodes are
-left. The script resumes by itself through :class:`distutils_ml.TrainState`, which tells the launcher where it
-resumed from (``DML_RESUME_REPORT``). Each restart is logged on stderr with its reason, the nodes dropped and the
-point resumed from. A failure that repeats with the same status on the same nodes from the same point (a bug, not a
-node) stops the restarts. The exit status is the last attempt's: 0 only if the job finished.
+``mpiexec -H node:1 python ...`` per node, in parallel, 20 s at most: the same way in as the job's, and one that
+removes the session directories killed Open MPI processes left there, see distutils_ml/sessiondirs.py), drops
+those that do not answer, and starts the job again on the others with as many ranks per node as before, if at
+least M nodes are left. The script resumes by itself through :class:`distutils_ml.TrainState`, which tells the
+launcher where it resumed from (``DML_RESUME_REPORT``). Each restart is logged on stderr with its reason, the nodes
+dropped and the point resumed from. A failure that repeats with the same status on the same nodes from the same
+point (a bug, not a node) stops the restarts. The exit status is the last attempt's: 0 only if the job finished.
 
 The nodes come from ``--hostfile``, ``-H``/``--host``, or the SLURM allocation the launcher runs in; without any,
 the job runs on this machine and is restarted there.
@@ -23,16 +24,20 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from distutils_ml import sessiondirs
 from distutils_ml.mpiexec_options import HOST_OPTIONS, given_options, values_taken
 from distutils_ml.trainstate import RESUME_REPORT_ENV
 
 __all__ = ["allocation_hosts", "answering", "hosts_of", "run_with_restarts", "without_hosts"]
 
 _PROBE_S = 20.0
+_PROBE_TRIES = 3
+_LOST_GRACE_S = 2.0
 
 
 def hosts_of(options: Sequence[str], environ: Mapping[str, str]) -> list[tuple[str, int]] | None:
@@ -84,23 +89,69 @@ def without_hosts(options: Sequence[str]) -> list[str]:
     return out
 
 
-def answering(mpiexec: str, hosts: Sequence[str], options: Sequence[str], env: Mapping[str, str]) -> list[str]:
-    """The ``hosts`` on which a one-process job starts and ends within 20 s, in their order."""
+def answering(
+    mpiexec: str,
+    hosts: Sequence[str],
+    options: Sequence[str],
+    env: Mapping[str, str],
+    *,
+    python: str | None = None,
+    lost: Sequence[str] = (),
+) -> list[str]:
+    """The ``hosts`` on which a one-process job starts and ends within 20 s, in their order.
+
+    The job is ``python`` running distutils_ml/sessiondirs.py, which removes the session directories that killed
+    Open MPI processes left on that node (they would fail a later daemon that gets the same process id); the
+    directories removed are said on stderr. A probe that fails at once is tried again (twice at most, within the
+    20 s): its own daemon may have met such a directory. Without ``python``, the job is ``true``.
+
+    The hosts in ``lost`` (where mpiexec lost its daemon during the job) are asked too, but waited for only until
+    the others have answered, and 2 s more: a node whose processes were killed answers as fast as the rest, while
+    one cut off would cost the whole 20 s.
+    """
+    job = [python, "-c", Path(sessiondirs.__file__).read_text()] if python else ["true"]
     ok: dict[str, bool] = {}
+    running: dict[str, subprocess.Popen[str]] = {}
+    guard, stop = threading.Lock(), threading.Event()
 
     def probe(host: str) -> None:
-        argv = [mpiexec, "-H", f"{host}:1", "-n", "1", *options, "true"]
-        try:
-            done = subprocess.run(argv, env=dict(env), capture_output=True, timeout=_PROBE_S, check=False)
-            ok[host] = done.returncode == 0
-        except subprocess.TimeoutExpired:
-            ok[host] = False
+        argv = [mpiexec, "-H", f"{host}:1", "-n", "1", *options, *job]
+        deadline = time.monotonic() + _PROBE_S
+        for _ in range(_PROBE_TRIES):
+            with guard:
+                if stop.is_set() or time.monotonic() >= deadline:
+                    return
+                proc = running[host] = subprocess.Popen(
+                    argv, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+                )
+            try:
+                out, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                return
+            if proc.returncode == 0:
+                ok[host] = True
+                for line in out.splitlines():
+                    if ": removed " in line:
+                        _say(f"stale Open MPI session directory on {line}")
+                return
 
-    threads = [threading.Thread(target=probe, args=(h,), daemon=True) for h in hosts]
-    for t in threads:
+    threads = {h: threading.Thread(target=probe, args=(h,), daemon=True) for h in hosts}
+    for t in threads.values():
         t.start()
-    for t in threads:
-        t.join(_PROBE_S + 10)
+    for h, t in threads.items():
+        if h not in lost:
+            t.join(_PROBE_S + 10)
+    until = time.monotonic() + _LOST_GRACE_S
+    for h, t in threads.items():
+        if h in lost:
+            t.join(max(0.0, until - time.monotonic()))
+    with guard:
+        stop.set()
+        for proc in running.values():
+            if proc.poll() is None:
+                proc.kill()
     return [h for h in hosts if ok.get(h)]
 
 
@@ -129,7 +180,8 @@ def run_with_restarts(  # noqa: PLR0917 - the launcher's pieces, passed in by la
                             python=python, open_mpi=open_mpi)  # fmt: skip
             argv = [command.argv[0], "-x", f"{RESUME_REPORT_ENV}={report}", *command.argv[1:]]
             _say(f"attempt {attempt} of {attempts}: {ranks} rank(s) on {', '.join(nodes)}")
-            code = supervise(argv, command.env, Path(tmp))
+            lost: list[str] = []  # the nodes where mpiexec lost its daemon
+            code = supervise(argv, command.env, Path(tmp), lost)
             resumed = _read_report(report)
         if resumed is not None:
             _say(f"attempt {attempt} resumed from {resumed}")
@@ -148,18 +200,29 @@ def run_with_restarts(  # noqa: PLR0917 - the launcher's pieces, passed in by la
         if attempt == attempts:
             _say(f"attempt {attempt} failed (exit status {code}); no restarts left (--restarts {args.restarts})")
             return code
-        alive = nodes if local else answering(mpiexec, nodes, options, {**environ, **command.env})
+        _say(f"attempt {attempt} failed (exit status {code})" + ("" if local else f"; asking {', '.join(nodes)}"))
+        for path in sessiondirs.remove_stale():  # mpiexec's own, here: a killed one's would fail the next
+            _say(f"stale Open MPI session directory here: removed {path}")
+        probe_env = {**environ, **command.env}
+        here = python or sys.executable
+        alive = nodes if local else answering(mpiexec, nodes, options, probe_env, python=here, lost=lost)
         dropped = [h for h in nodes if h not in alive]
         if len(alive) < args.min_nodes:
             _say(
-                f"attempt {attempt} failed (exit status {code}); only {len(alive)} node(s) answer "
-                f"({', '.join(alive) or 'none'}; lost: {', '.join(dropped)}), fewer than --min-nodes "
-                f"{args.min_nodes}: not restarting"
+                f"only {len(alive)} node(s) answer ({', '.join(alive) or 'none'}; lost: {', '.join(dropped)}), "
+                f"fewer than --min-nodes {args.min_nodes}: not restarting"
             )
             return code
         _say(
-            f"attempt {attempt} failed (exit status {code}); restarting on {', '.join(alive)}"
-            + (f", without {', '.join(dropped)} (not answering)" if dropped else "")
+            f"restarting on {', '.join(alive)}"
+            + "".join(
+                f", without {', '.join(group)} ({why})"
+                for group, why in (
+                    ([h for h in dropped if h in lost], "lost during the job, not answering"),
+                    ([h for h in dropped if h not in lost], "not answering"),
+                )
+                if group
+            )
         )
         nodes = alive
     return code

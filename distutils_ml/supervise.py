@@ -3,8 +3,8 @@
 SIGINT, SIGTERM and SIGHUP (a closed terminal or SSH session) are passed on to mpiexec,
 which ends the ranks; on Linux mpiexec gets SIGTERM when the launcher dies in any other way
 (SIGKILL, an out-of-memory kill), through the kernel's parent-death signal. mpiexec's
-standard error passes through the launcher, which watches it for a node that Open MPI
-reports lost and then fails the job, naming that node's ranks.
+standard output and error pass through the launcher, which watches them for a node that
+Open MPI reports lost and then fails the job, naming that node's ranks.
 """
 
 from __future__ import annotations
@@ -21,24 +21,36 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
+from typing import TextIO
 
 __all__ = ["run_supervised"]
 
-# Open MPI 5 (PRRTE) and 4 (ORTE) when a node stops answering; Open MPI may still exit 0 after it.
-_LOST_NODE = re.compile(rb"[PO]RTE has lost communication with a remote daemon.*?Remote daemon:.*? on node (\S+)", re.S)
+# Open MPI 5 (PRRTE) and 4 (ORTE) when the connection to a node's daemon breaks (the node stops answering its
+# keepalive, or every process there was killed), and Open MPI 5 when the connection that started a node's daemon
+# (ssh) ends while the job runs. Open MPI may exit 0 after either, though the job's ranks were ended.
+_LOST_NODE = re.compile(
+    rb"[PO]RTE has lost communication with a remote daemon.*?Remote daemon:.*? on node (\S+)(?=\s)"
+    rb"|A daemon failed to report back after being spawned.*?Remote host:[ \t]+(\S+)(?=\s)",  # whole names only
+    re.S,
+)
 
 
-def run_supervised(argv: list[str], env: Mapping[str, str], rank_hosts: Path | None = None) -> int:
+def run_supervised(
+    argv: list[str], env: Mapping[str, str], rank_hosts: Path | None = None, lost_nodes: list[str] | None = None
+) -> int:
     """Run ``argv`` with ``env`` added to this environment, passing SIGINT, SIGTERM and SIGHUP on; its exit status.
 
     On Linux, the command also gets SIGTERM if this process dies without passing a signal on.
-    Its standard error passes through this process, which watches it for a node that mpiexec
-    reports lost: the job then fails (status 1 if mpiexec said 0, as Open MPI 5 does), and the
+    Its standard output and error pass through this process, which watches them for a node that
+    mpiexec reports lost: the job then fails (status 1 if mpiexec said 0, as Open MPI 5 does), and the
     lost node's ranks are named from ``rank_hosts`` (written by rank 0) when that file exists.
+    A node counts as lost when mpiexec loses its daemon there: the node stops answering, or every process on it
+    was killed. The lost nodes are also appended to ``lost_nodes`` when given (for the restarts).
     """
     arm = _die_with_parent()
     # preexec_fn runs between fork and exec; arm only makes four system calls (no imports, no I/O).
-    proc = subprocess.Popen(argv, env={**os.environ, **env}, preexec_fn=arm, stderr=subprocess.PIPE)  # noqa: PLW1509
+    pipe = subprocess.PIPE
+    proc = subprocess.Popen(argv, env={**os.environ, **env}, preexec_fn=arm, stdout=pipe, stderr=pipe)  # noqa: PLW1509
     lost: dict[str, None] = {}
 
     def forward(signum: int, _frame: FrameType | None) -> None:
@@ -46,11 +58,13 @@ def run_supervised(argv: list[str], env: Mapping[str, str], rank_hosts: Path | N
 
     previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
     try:
-        code = _wait_copying_stderr(proc, lost)
+        code = _wait_copying(proc, lost)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     code = 128 - code if code < 0 else code
+    if lost_nodes is not None:
+        lost_nodes += list(lost)
     if lost:
         hosts = _read_rank_hosts(rank_hosts)
         named = [
@@ -63,53 +77,64 @@ def run_supervised(argv: list[str], env: Mapping[str, str], rank_hosts: Path | N
     return code
 
 
-def _wait_copying_stderr(proc: subprocess.Popen[bytes], lost: dict[str, None]) -> int:
-    """Copy ``proc``'s standard error to ours until it ends, noting each node reported lost; its exit status.
+def _wait_copying(proc: subprocess.Popen[bytes], lost: dict[str, None]) -> int:
+    """Copy ``proc``'s standard output and error to ours until it ends, noting each node reported lost; its exit
+    status. Open MPI 5 writes one of its reports to standard output, the other to standard error.
 
     All in this one thread. The kernel sends the parent-death signal each time the thread that
     started mpiexec ends and mpiexec passes to another of this process's threads: a reader thread
     made a killed launcher send SIGTERM twice, and mpiexec takes a second SIGTERM as "abort now",
     leaving the ranks running.
     """
-    assert proc.stderr is not None
-    if os.name == "nt":  # no select() on pipes, and no parent-death signal to protect: a reader thread
-        reader = threading.Thread(target=_copy_all, args=(proc.stderr.fileno(), lost), daemon=True)
-        reader.start()
+    assert proc.stdout is not None and proc.stderr is not None
+    streams = {proc.stdout.fileno(): _Stream(sys.stdout), proc.stderr.fileno(): _Stream(sys.stderr)}
+    if os.name == "nt":  # no select() on pipes, and no parent-death signal to protect: reader threads
+        readers = [threading.Thread(target=_copy_all, args=(fd, s, lost), daemon=True) for fd, s in streams.items()]
+        for reader in readers:
+            reader.start()
         code = proc.wait()
-        reader.join(timeout=2)
+        for reader in readers:
+            reader.join(timeout=2)
         return code
-    fd, tail, ended = proc.stderr.fileno(), b"", None
-    # Not until end of file alone: a daemon left on a lost node may hold mpiexec's standard error open.
-    while ended is None or time.monotonic() - ended < 2:
+    ended = None
+    # Not until end of file alone: a daemon left on a lost node may hold mpiexec's output open.
+    while streams and (ended is None or time.monotonic() - ended < 2):
         if ended is None and proc.poll() is not None:
             ended = time.monotonic()
-        if select.select([fd], [], [], 0.2)[0]:
+        for fd in select.select(list(streams), [], [], 0.2)[0]:
             chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            tail = _copy_chunk(chunk, tail, lost)
+            if chunk:
+                streams[fd].copy(chunk, lost)
+            else:
+                del streams[fd]
     return proc.wait()
 
 
-def _copy_all(fd: int, lost: dict[str, None]) -> None:
-    """Copy ``fd`` to our standard error until end of file (see :func:`_copy_chunk`)."""
-    tail = b""
+class _Stream:
+    """One of mpiexec's output streams, copied to ``to`` and watched for lost nodes."""
+
+    def __init__(self, to: TextIO) -> None:
+        self.to, self.tail = to, b""
+
+    def copy(self, chunk: bytes, lost: dict[str, None]) -> None:
+        """Write ``chunk`` on, and note each node it reports lost in ``lost``."""
+        out = getattr(self.to, "buffer", None)
+        if out is not None:
+            out.write(chunk)
+            out.flush()
+        else:
+            self.to.write(chunk.decode(errors="replace"))
+            self.to.flush()
+        window = self.tail + chunk
+        for match in _LOST_NODE.finditer(window):
+            lost[(match.group(1) or match.group(2)).decode(errors="replace")] = None
+        self.tail = window[-1024:]  # a report split across two reads is still found (once: lost is a set)
+
+
+def _copy_all(fd: int, stream: _Stream, lost: dict[str, None]) -> None:
+    """Copy ``fd`` on until end of file (see :meth:`_Stream.copy`)."""
     while chunk := os.read(fd, 65536):
-        tail = _copy_chunk(chunk, tail, lost)
-
-
-def _copy_chunk(chunk: bytes, tail: bytes, lost: dict[str, None]) -> bytes:
-    """Write ``chunk`` to our standard error, note each node it reports lost in ``lost``; the new tail."""
-    out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
-    if out is not None:
-        out.write(chunk)
-        out.flush()
-    else:
-        sys.stderr.write(chunk.decode(errors="replace"))
-    window = tail + chunk
-    for match in _LOST_NODE.finditer(window):
-        lost[match.group(1).decode(errors="replace")] = None
-    return window[-1024:]  # a report split across two reads is still found (once: lost is a set)
+        stream.copy(chunk, lost)
 
 
 def _read_rank_hosts(path: Path | None) -> list[str]:

@@ -1,11 +1,14 @@
 """The job of tests/test_restarts.py: ``distutils-ml launch --restarts R ... tests/restart_job.py FAULT DIR``.
 
 Trains with a :class:`distutils_ml.TrainState` saved to ``DIR/ckpt`` every 4 steps, resuming from it when there is
-one (it prints ``RESUMED AT <time> step <s> on <W> ranks``, then ``FIRST STEP AFTER RESUME AT <time>``). The first
+one (it prints ``STARTED AT <time>`` once MPI is up, ``RESUMED AT <time> step <s> on <W> ranks`` once the checkpoint
+is loaded, then ``FIRST STEP AFTER RESUME AT <time>``). The first
 attempt (not resumed) meets FAULT at step 10 on its last rank:
 
 - ``none``: nothing; ``kill-rank``: the rank kills itself (SIGKILL) after ``FAULT AT <time>``;
 - ``cut``: every rank prints ``CUT ME`` (the test then cuts the last node's cable) and goes on slowly;
+- ``kill-node``: every rank prints ``KILL MY NODE`` (the test then kills every process on the last node) and goes
+  on slowly;
 - ``bug``: the rank raises at step 10, in every attempt (resumed from step 8 each time).
 
 At the end rank 0 writes the parameters to ``DIR/final.npy`` and prints ``FINISHED at step <s> on <W> ranks``.
@@ -32,6 +35,7 @@ def main(fault: str, directory: str) -> None:
     torch.set_num_threads(1)
     dml.initialize(dml.MPIBackend)
     backend = dml.get_distributed_backend(dml.MPIBackend)
+    dml.print(backend, f"STARTED AT {time.time():.3f}", all_ranks=False)
     victim = backend.rank == backend.size - 1
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
@@ -60,8 +64,8 @@ def main(fault: str, directory: str) -> None:
                 first = False
             state.save_if_due(where)
             if state.step == FAULT_STEP and (not resumed or fault == "bug"):
-                if fault == "cut":
-                    dml.print(backend, "CUT ME", all_ranks=False)
+                if fault in ("cut", "kill-node"):
+                    dml.print(backend, "CUT ME" if fault == "cut" else "KILL MY NODE", all_ranks=False)
                     slow = True
                 elif victim and fault == "kill-rank":
                     print(f"FAULT AT {time.time():.3f}", flush=True)

@@ -17,6 +17,7 @@ import pytest
 
 from distutils_ml import launch, mpiexec_options
 from distutils_ml.launch import build_command, find_mpiexec, main, parse_args
+from distutils_ml.supervise import run_supervised
 
 ROOT = Path(__file__).resolve().parent.parent
 ROOT_VARS = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
@@ -416,6 +417,65 @@ def test_signals_reach_mpiexec_and_its_status_comes_back(tmp_path: Path, signum:
         assert main(["launch", "-n", "2", "train.py"], python=str(tmp_path / "python")) == 7
     finally:
         sender.join()
+
+
+# What Open MPI 5's mpiexec writes when a node stops answering, and when the daemon it started on a node ends while
+# the job runs (every process there killed); it may exit 0 after either (both seen on the namespace cluster).
+_UNREACHABLE = """--------------------------------------------------------------------------
+PRTE has lost communication with a remote daemon.
+
+  HNP daemon   : [prterun-node-a-23148@0,0] on node node-a
+  Remote daemon: [prterun-node-a-23148@0,2] on node node-c
+
+This is usually due to either a failure of the TCP network
+connection to the node, or possibly an internal failure of
+the daemon itself. We cannot recover from this failure, and
+therefore will terminate the job.
+--------------------------------------------------------------------------
+"""
+_ENDED = """------------------------------------------------------------
+A daemon failed to report back after being spawned. This could
+be due to several factors, including inability to find the
+daemon executable, or the executable was unable to find its
+required supporting libraries. In some cases, the daemon was
+able to execute, but was unable to complete a TCP connection
+back to prterun:
+
+  Local host:    node-a
+  Remote host:   node-b
+  Daemon exit status: 0
+
+This may also be caused by a firewall on the remote host. Please
+check that any firewall (e.g., iptables) has been disabled and
+try again.
+------------------------------------------------------------
+"""
+
+
+@pytest.mark.parametrize("split", [1, 97, 100_000])
+def test_a_node_lost_fails_the_job_though_mpiexec_exits_0(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], split: int
+) -> None:
+    """Both reports, written in pieces of ``split`` bytes (the first on standard error, the second on standard output,
+    as Open MPI 5 does), are found: the job fails naming both nodes, which are handed to the restarts."""
+    (tmp_path / "rank-hosts").write_text("node-a\nnode-b\nnode-c\n")
+    writer = (
+        "import sys\n"
+        f"parts = (({_UNREACHABLE!r}, sys.stderr), ('other output\\n', sys.stdout), ({_ENDED!r}, sys.stdout))\n"
+        "for text, to in parts:\n"
+        f"    for i in range(0, len(text), {split}):\n"
+        f"        to.buffer.write(text[i:i + {split}].encode()); to.buffer.flush()\n"
+        "sys.exit(0)\n"
+    )
+    lost: list[str] = []
+    code = run_supervised([sys.executable, "-c", writer], {}, tmp_path / "rank-hosts", lost)
+    out, err = capfd.readouterr()
+    assert out == "other output\n" + _ENDED, out
+    assert code == 1, err[-3000:]
+    said = [line for line in err.splitlines() if "the job lost node(s)" in line]
+    assert len(said) == 1 and "mpiexec exited with status 0" in said[0], err[-3000:]
+    assert "node-c (rank(s) [2])" in said[0] and "node-b (rank(s) [1])" in said[0], said
+    assert sorted(lost) == ["node-b", "node-c"]
 
 
 @requires_mpi
