@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from distutils_ml import sessiondirs
+
 import cluster
 from mpirun import MARGIN_S, TESTS, mpi_env, requires_mpi, run_mpi
 
@@ -153,6 +155,7 @@ def test_a_hung_job_ends_before_pytests_timeout_with_every_ranks_stack(tmp_path:
     _assert_every_rank_dumped(message, 3)
     assert time.monotonic() - start < TIMEOUT_S - 5
     assert not _still_running(str(job))
+    assert not sessiondirs.stale(), "the killed mpiexec's session directory was left (it fails a later one)"
 
 
 @requires_mpi
