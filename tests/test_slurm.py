@@ -255,3 +255,38 @@ def test_a_node_that_dies_ends_the_job_naming_it(slurm_2x2: slurm.Slurm, tmp_pat
         s.kill_node(1)
         s.resume(1)
     assert _exit_code(s, job) != "0:0"
+
+
+def test_launch_restarts_inside_the_allocation_without_a_node_that_died(slurm_2x2: slurm.Slurm, tmp_path: Path) -> None:
+    """``salloc --no-kill ... distutils-ml launch --restarts 1``: node-b dies (its slurmd and every process on it)
+    at step 10; the launcher starts the job again inside the same allocation on node-a alone, and it resumes from
+    the checkpoint of step 8 and finishes (tests/restart_job.py)."""
+    s = slurm_2x2
+    killed_at: list[float] = []
+
+    def kill_the_node(line: str) -> None:
+        if "KILL MY NODE" in line and not killed_at:
+            killed_at.append(time.time())
+            s.kill_node(1)
+
+    # --no-kill: SLURM would otherwise end the allocation once it marks node-b down (the job outlives that: 0.5 s a
+    # step after the resume, 16 s in all, past SlurmdTimeout=10).
+    argv = ["salloc", "-N", "2", "--ntasks-per-node=2", "--no-kill", LAUNCH, "launch", "--allow-run-as-root",
+            "--restarts", "1", "--min-nodes", "1", *cluster.MCA_OPTIONS, "-x", f"PYTHONPATH={TESTS}",
+            str(TESTS / "restart_job.py"), "kill-node", str(tmp_path), "0.5"]  # fmt: skip
+    try:
+        run = s.run(argv, timeout=180, env={**ENV, "DML_TIMEOUT": str(STALL)}, on_line=kill_the_node, cwd=ROOT)
+    finally:
+        s.kill_node(1)
+        s.resume(1)
+    out = run.output
+    print("\n".join(line for line in out.splitlines() if line.startswith("distutils-ml launch:")))
+    assert run.returncode == 0, out[-8000:]
+    assert "attempt 1 of 2: 4 rank(s) on node-a, node-b" in out, out[-8000:]
+    assert "restarting on node-a, without node-b" in out, out[-8000:]
+    assert "attempt 2 of 2: 2 rank(s) on node-a" in out, out[-8000:]
+    assert re.search(r"RESUMED AT \S+ step 8 on 2 ranks", out), out[-8000:]
+    assert "FINISHED at step 40 on 2 ranks" in out, out[-8000:]  # 8 steps on 4 ranks, 8 + 24 on 2
+    first = float(re.findall(r"FIRST STEP AFTER RESUME AT (\S+)", out)[0])
+    print(f"node-b died: the first step after the resume came {first - killed_at[0]:.1f} s later")
+    assert first - killed_at[0] < STALL + 20, first - killed_at[0]  # the stall timeout, a launch, a load
