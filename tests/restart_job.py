@@ -11,9 +11,7 @@ attempt (not resumed) meets FAULT at step 10 on its last rank:
   on slowly;
 - ``bug``: the rank raises at step 10, in every attempt (resumed from step 8 each time).
 
-A third argument PACE makes each step after a resume take PACE seconds more (a job that outlives SLURM's notice of a
-lost node). At the end rank 0 writes the parameters to ``DIR/final.npy`` and prints ``FINISHED at step <s> on <W>
-ranks``.
+At the end rank 0 writes the parameters to ``DIR/final.npy`` and prints ``FINISHED at step <s> on <W> ranks``.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ import distutils_ml as dml
 FAULT_STEP = 10
 
 
-def main(fault: str, directory: str, pace: str = "0") -> None:
+def main(fault: str, directory: str) -> None:
     faulthandler.register(signal.SIGUSR1)
     torch.set_num_threads(1)
     dml.initialize(dml.MPIBackend)
@@ -76,8 +74,6 @@ def main(fault: str, directory: str, pace: str = "0") -> None:
                     raise RuntimeError("a bug at step 10")
             if slow:
                 time.sleep(0.2)
-            if resumed:
-                time.sleep(float(pace))
     state.wait()
     if backend.rank == 0:
         np.save(os.path.join(directory, "final.npy"), torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
