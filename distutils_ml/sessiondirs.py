@@ -41,6 +41,8 @@ def stale(tmpdir: str | os.PathLike[str] | None = None, hosts: Iterable[str] | N
         tmpdir: where Open MPI keeps them (``TMPDIR``, else ``/tmp``).
         hosts: the hostnames whose directories count; default this host's name and its short form.
     """
+    if not hasattr(os, "geteuid"):
+        return []  # not POSIX: Open MPI 5 does not run there
     base = Path(tmpdir or tempfile.gettempdir())
     if hosts is None:
         name = socket.gethostname()
