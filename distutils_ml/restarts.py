@@ -15,6 +15,7 @@ the job runs on this machine and is restarted there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -127,8 +128,9 @@ def answering(
             try:
                 out, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
+                _end(proc)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.communicate(timeout=5)
                 return
             if proc.returncode == 0:
                 ok[host] = True
@@ -150,9 +152,22 @@ def answering(
     with guard:
         stop.set()
         for proc in running.values():
-            if proc.poll() is None:
-                proc.kill()
+            _end(proc)
+    sessiondirs.remove_stale()  # of a probe's mpiexec that had to be killed
     return [h for h in hosts if ok.get(h)]
+
+
+def _end(proc: subprocess.Popen[str]) -> None:
+    """End a probe's ``mpiexec``: SIGTERM (it ends its daemons and removes its session directory), SIGKILL 1 s later.
+    Its output is left to the thread that reads it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
 
 
 def run_with_restarts(  # noqa: PLR0917 - the launcher's pieces, passed in by launch.main
