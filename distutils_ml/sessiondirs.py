@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["remove_stale", "stale"]
+__all__ = ["remove_stale", "running", "stale"]
 
 _NAME = re.compile(r"(?:ompi|prted)\.(\d+)")
 
@@ -62,7 +62,7 @@ def stale(tmpdir: str | os.PathLike[str] | None = None, hosts: Iterable[str] | N
             info = entry.lstat()
         except OSError:
             continue
-        if not entry.is_dir() or entry.is_symlink() or info.st_uid != os.geteuid() or _alive(pid):
+        if not entry.is_dir() or entry.is_symlink() or info.st_uid != os.geteuid() or running(pid):
             continue
         if any((entry / f"pmix.{host}.tool.{pid}").exists() for host in names):
             found.append(entry)
@@ -79,7 +79,7 @@ def remove_stale(tmpdir: str | os.PathLike[str] | None = None, hosts: Iterable[s
     return removed
 
 
-def _alive(pid: int) -> bool:
+def running(pid: int) -> bool:
     """Whether process ``pid`` runs. A zombie does not: a killed daemon whose parent was killed too stays one until
     init reaps it, which can take seconds."""
     try:

@@ -152,14 +152,6 @@ def _kill_tree(pid: int) -> None:
             os.kill(victim, signal.SIGKILL)
     # The killed mpiexec's session directory would fail a later one that gets its process id (sessiondirs.py).
     deadline = time.monotonic() + 5
-    while not all(_gone(v) for v in doomed) and time.monotonic() < deadline:
+    while any(sessiondirs.running(v) for v in doomed) and time.monotonic() < deadline:
         time.sleep(0.05)
     sessiondirs.remove_stale()
-
-
-def _gone(pid: int) -> bool:
-    """No process ``pid`` runs (none, or a zombie)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in {"Z", "X"}
-    except (OSError, IndexError):
-        return True

@@ -56,7 +56,7 @@ def test_only_the_directories_of_processes_gone_from_this_host_are_removed(tmp_p
     lookalike = _left(tmp_path, "prted", dead[5], host).rename(tmp_path / f"prted.{dead[5]}.old")
     kept.append(lookalike)
     zombie = subprocess.Popen(["true"])  # exited, not yet reaped: a killed daemon whose parent was killed too
-    while Path(f"/proc/{zombie.pid}").exists() and " Z " not in Path(f"/proc/{zombie.pid}/stat").read_text():
+    while sessiondirs.running(zombie.pid):
         time.sleep(0.01)
     removed.append(_left(tmp_path, "prted", zombie.pid, host))
     if os.geteuid() == 0:
@@ -85,7 +85,7 @@ def test_a_stale_directory_fails_the_mpiexec_that_gets_its_pid_until_removed(tmp
     made = []
     try:
         for pid in pids:
-            if not (base / f"ompi.{pid}").exists() and not Path(f"/proc/{pid}").exists():
+            if not (base / f"ompi.{pid}").exists() and not sessiondirs.running(pid):
                 made.append(_left(base, "ompi", pid, host))
         argv = [str(mpiexec()), "-n", "1", "--mca", "btl", "^ofi", "true"]
         failed = subprocess.run(argv, env=mpi_env(), capture_output=True, text=True, timeout=60, check=False)
