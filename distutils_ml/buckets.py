@@ -268,10 +268,12 @@ def order_error(caller: str, k: int, nb: int, names: list[str]) -> RuntimeError:
 
 # -- rounds -------------------------------------------------------------------------------------
 
-#: The code objects through which the autograd engine runs the backward of a node written in Python.
+#: The code objects through which the autograd engine runs the backward of a node written in Python
+#: (``apply_boxed`` is newer than torch 2.11, which has ``apply`` only).
 _PYTHON_NODE_CODES = frozenset(
     f.__code__
-    for f in (torch.autograd.function.BackwardCFunction.apply, torch.autograd.function.BackwardCFunction.apply_boxed)
+    for f in (getattr(torch.autograd.function.BackwardCFunction, name, None) for name in ("apply", "apply_boxed"))
+    if f is not None
 )
 
 

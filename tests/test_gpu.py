@@ -181,8 +181,10 @@ def test_gpu_optimizer_on_simulated_ranks_does_not_deadlock(overlap: bool, shard
     # Before the fix, the end-of-backward reduction of one simulated rank blocked autograd's CUDA thread,
     # which the other rank's backward needed: examples/quickstart.py --device cuda (2 simulated ranks) hung.
     def fn(b: dml.Backend) -> list[float]:
-        torch.manual_seed(0)
+        # Simulated ranks share torch's global generator, so seeding it on each does not give equal
+        # replicas (threads draw from it in turn): rank 0's weights reach every rank, as in a real script.
         model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).cuda()
+        model = dml.synchronize(b, model)
         opt = dml.DistributedOptimizer(
             b, torch.optim.SGD(model.parameters(), lr=0.1), overlap=overlap, shard_state=shard_state
         )
