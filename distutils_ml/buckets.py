@@ -35,7 +35,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -47,6 +47,7 @@ from distutils_ml.transport import transport_choice, transport_for
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "DEVICE_BUCKET_BYTES",
     "FIRST_BUCKET_BYTES",
     "NETWORK_BUCKET_BYTES",
     "REDUCER_CUT",
@@ -54,6 +55,7 @@ __all__ = [
     "BucketMachine",
     "CutRule",
     "Round",
+    "BucketBytes",
     "check_bucket_bytes",
     "check_communication_dtype",
     "comm_stream",
@@ -69,6 +71,10 @@ __all__ = [
 ]
 
 DEFAULT_BUCKET_BYTES = 256 * 1024
+#: The default for gradients on a GPU: DDP's 25 MiB. A collective on a GPU costs tens of microseconds
+#: of host time (an NCCL call, events, a stream switch) and a GPU step a few milliseconds, so the
+#: host's 256 KiB buckets (36 layers: 18 buckets) cost as much as the step (measured on an H200).
+DEVICE_BUCKET_BYTES = 25 << 20
 #: The first flat bucket's size when ``bucket_bytes`` is larger (``CutRule.first_capped``).
 FIRST_BUCKET_BYTES = 1 << 20
 NETWORK_BUCKET_BYTES = 4 << 20
@@ -132,16 +138,40 @@ def spans_hosts(backend: Backend) -> bool:
     return bool(hosts) and len(set(hosts)) > 1
 
 
-def default_bucket_bytes(backend: Backend, bucket_bytes: int | None) -> int:
-    """``bucket_bytes``, or its default: 256 KiB on one host, 4 MiB across hosts.
+class BucketBytes(NamedTuple):
+    """Bucket sizes in bytes: for gradients in host memory, and for gradients on a GPU."""
+
+    host: int
+    device: int
+
+    @classmethod
+    def of(cls, bucket_bytes: Any) -> BucketBytes:
+        """``bucket_bytes`` as it is (a ``BucketBytes``), or one checked size for every device."""
+        if isinstance(bucket_bytes, BucketBytes):
+            return bucket_bytes
+        n = check_bucket_bytes(bucket_bytes)
+        return cls(n, n)
+
+    def on(self, device: torch.device) -> int:
+        """The size for gradients on ``device``."""
+        return self.host if device.type == "cpu" else self.device
+
+    def __repr__(self) -> str:  # as the user wrote it, in a message naming ranks that differ
+        return str(self.host) if self.host == self.device else f"{self.host} (host), {self.device} (GPU)"
+
+
+def default_bucket_bytes(backend: Backend, bucket_bytes: int | None) -> BucketBytes:
+    """``bucket_bytes`` for every device, or the defaults: in host memory 256 KiB on one host and
+    4 MiB across hosts, on a GPU 25 MiB (DDP's).
 
     Every bucket costs a network round trip: across hosts, gradients under 4 MiB share
     buckets of about 4 MiB (fewer, larger messages, as DDP's 25 MiB buckets); on one host
-    256 KiB measured best (larger gradients reduced in place, never copied).
+    256 KiB measured best (larger gradients reduced in place, never copied). On a GPU each
+    bucket costs host time that the GPU's short step cannot hide (``DEVICE_BUCKET_BYTES``).
     """
     if bucket_bytes is not None:
-        return check_bucket_bytes(bucket_bytes)
-    return NETWORK_BUCKET_BYTES if spans_hosts(backend) else DEFAULT_BUCKET_BYTES
+        return BucketBytes.of(bucket_bytes)
+    return BucketBytes(NETWORK_BUCKET_BYTES if spans_hosts(backend) else DEFAULT_BUCKET_BYTES, DEVICE_BUCKET_BYTES)
 
 
 def ring_array(ring: GlooTransport | None, tensor: torch.Tensor, op: ReduceOp) -> np.ndarray | None:
@@ -186,18 +216,18 @@ SHARDED_CUT = CutRule(first_capped=False, by_wire=False, keep_empty=False)
 
 
 def cut_buckets(
-    params: list[torch.Tensor], bucket_bytes: int, comm_dtype: torch.dtype | None, rule: CutRule
+    params: list[torch.Tensor], bucket_bytes: BucketBytes | int, comm_dtype: torch.dtype | None, rule: CutRule
 ) -> list[tuple[bool, tuple[torch.dtype, torch.device], list[int]]]:
     """The buckets of ``params`` in the order they are sent: (alone, (dtype, device) of the group, indices).
 
-    ``alone``: one gradient of at least ``bucket_bytes`` whose group dtype is its own (it can go as it lies).
-    Smaller gradients share a bucket per group until it holds ``bucket_bytes`` (the first one, with
-    ``rule.first_capped``, ``min(bucket_bytes, FIRST_BUCKET_BYTES)``); the buckets left open at the end
-    are placed where their last (earliest) parameter is.
+    With ``limit`` the size for the parameter's device (``BucketBytes.on``): ``alone``, one gradient of at
+    least ``limit`` whose group dtype is its own (it can go as it lies). Smaller gradients share a bucket per
+    group until it holds ``limit`` (the first one, with ``rule.first_capped``, ``min(limit,
+    FIRST_BUCKET_BYTES)``); the buckets left open at the end are placed where their last (earliest) parameter is.
     """
+    sizes = BucketBytes.of(bucket_bytes)
     groups: list[tuple[bool, tuple[torch.dtype, torch.device], list[int]]] = []
     open_: dict[tuple[torch.dtype, torch.device], tuple[list[int], list[int]]] = {}  # key -> (members, bytes)
-    first = min(bucket_bytes, FIRST_BUCKET_BYTES) if rule.first_capped else bucket_bytes
     seen: set[tuple[torch.dtype, torch.device]] = set()
     for i in reversed(range(len(params))):
         p = params[i]
@@ -206,13 +236,15 @@ def cut_buckets(
         wire = comm_dtype or p.dtype
         key = (wire if rule.by_wire else p.dtype, p.device)
         nbytes = p.numel() * wire.itemsize
-        if nbytes >= bucket_bytes and key[0] == p.dtype:
+        limit = sizes.on(p.device)
+        if nbytes >= limit and key[0] == p.dtype:
             groups.append((True, key, [i]))
             continue
         members, size = open_.setdefault(key, ([], [0]))
         members.append(i)
         size[0] += nbytes
-        if size[0] >= (bucket_bytes if key in seen else first):
+        first = min(limit, FIRST_BUCKET_BYTES) if rule.first_capped else limit
+        if size[0] >= (limit if key in seen else first):
             del open_[key]
             seen.add(key)
             groups.append((False, key, members))

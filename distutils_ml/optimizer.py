@@ -231,8 +231,9 @@ class DistributedOptimizer(DataParallelOptimizer):
         optimizer: any ``torch.optim.Optimizer``.
         op: how gradients combine: ``dml.AVG`` (default) or another reduction.
         bucket_bytes: gradients smaller than this share flat buckets of about this size
-            per dtype; larger ones are reduced in place (default 256 KiB on one host,
-            4 MiB when the ranks span several hosts).
+            per dtype; larger ones are reduced in place (default: for gradients in host
+            memory 256 KiB on one host, 4 MiB when the ranks span several hosts; on a GPU
+            25 MiB, DDP's). A number given holds for every device.
         communication_dtype: ``torch.bfloat16`` or ``torch.float16`` to send gradients
             in half precision (reduced in float32 where the transport cannot reduce
             halves, then cast back); None keeps each gradient's dtype.

@@ -28,9 +28,9 @@ import torch
 from distutils_ml.backends.base import Backend, ReduceOp, resolve_op
 from distutils_ml.buckets import (
     REDUCER_CUT,
+    BucketBytes,
     BucketMachine,
     Round,
-    check_bucket_bytes,
     check_communication_dtype,
     cut_buckets,
     encode_order,
@@ -77,7 +77,7 @@ class GradientReducer(BucketMachine):
         self,
         caller: str,
         op: Any,
-        bucket_bytes: int,
+        bucket_bytes: BucketBytes | int,
         communication_dtype: torch.dtype | None,
         *,
         params: Callable[[], list[torch.Tensor]],
@@ -86,7 +86,7 @@ class GradientReducer(BucketMachine):
     ) -> None:
         self.caller = caller
         self.op = resolve_op(op)
-        self.bucket_bytes = check_bucket_bytes(bucket_bytes)
+        self.bucket_bytes = BucketBytes.of(bucket_bytes)
         self.comm_dtype = check_communication_dtype(communication_dtype)
         self._params_of = params
         self._labels = labels

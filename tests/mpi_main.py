@@ -207,7 +207,7 @@ def topology_check(world: dml.Backend) -> dict[str, Any]:
         assert opt.overlap is (not one_node), (opt.overlap, hosts)
         opt._reducer.plan(world)
         assert (opt._reducer._ring is None) is one_node, (opt._reducer._ring, hosts)
-    assert opt._reducer.bucket_bytes == (256 << 10 if one_node else 4 << 20), opt._reducer.bucket_bytes
+    assert opt._reducer.bucket_bytes.host == (256 << 10 if one_node else 4 << 20), opt._reducer.bucket_bytes
     if rank == 0:
         print("TOPOLOGY " + " ".join(f"{r}:{h}:{local}/{n}" for r, (h, local, n) in enumerate(every)), flush=True)
     return {"host": host, "node_local_rank": world.node_local_rank, "node_size": world.node_size}

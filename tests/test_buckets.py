@@ -115,3 +115,83 @@ def test_habits_under_mpiexec(ranks: int) -> None:
     job = run_mpi(ranks, ["tests/habits_job.py"], timeout=400)
     assert job.returncode == 0, job.output[-8000:]
     assert "HABITS CHECKS PASSED" in job.output, job.output[-8000:]
+
+
+# -- the layout: bucket sizes per device -----------------------------------------------------------
+
+
+def test_default_bucket_sizes_per_device_and_a_given_size_for_every_device() -> None:
+    from distutils_ml.buckets import (
+        DEFAULT_BUCKET_BYTES,
+        DEVICE_BUCKET_BYTES,
+        BucketBytes,
+        default_bucket_bytes,
+    )
+
+    backend = dml.LocalBackend()
+    assert default_bucket_bytes(backend, None) == BucketBytes(DEFAULT_BUCKET_BYTES, DEVICE_BUCKET_BYTES)
+    assert DEVICE_BUCKET_BYTES == 25 << 20  # DDP's bucket_cap_mb=25
+    given = default_bucket_bytes(backend, 1000)
+    assert given == BucketBytes(1000, 1000) and repr(given) == "1000"  # messages show what the user wrote
+    assert given.on(torch.device("cpu")) == given.on(torch.device("meta")) == 1000
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="bucket_bytes"):
+            default_bucket_bytes(backend, bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=24),
+    devices=st.lists(st.sampled_from(["cpu", "meta"]), min_size=24, max_size=24),
+    dtypes=st.lists(st.sampled_from([torch.float32, torch.float16, torch.float64]), min_size=24, max_size=24),
+    host=st.integers(0, 8000),
+    device=st.integers(0, 8000),
+    sharded=st.booleans(),
+    wire=st.sampled_from([None, torch.float16]),
+)
+def test_each_device_is_cut_by_its_own_size(
+    *,
+    sizes: list[int],
+    devices: list[str],
+    dtypes: list[torch.dtype],
+    host: int,
+    device: int,
+    sharded: bool,
+    wire: torch.dtype | None,
+) -> None:
+    # "meta" stands for a GPU: every device that is not the host takes the device size.
+    from distutils_ml.buckets import FIRST_BUCKET_BYTES, REDUCER_CUT, SHARDED_CUT, BucketBytes, cut_buckets
+
+    rule = SHARDED_CUT if sharded else REDUCER_CUT
+    params = [torch.empty(n, dtype=dtypes[i], device=devices[i]) for i, n in enumerate(sizes)]
+    sizes_of = BucketBytes(host, device)
+    cut = cut_buckets(params, sizes_of, wire, rule)
+
+    placed = sorted(i for _, _, members in cut for i in members)
+    assert placed == [i for i, p in enumerate(params) if rule.keep_empty or p.numel()], "a parameter lost or twice"
+    opened: set[tuple[torch.dtype, torch.device]] = set()
+    for alone, key, members in cut:
+        limit = sizes_of.on(key[1])
+        nbytes = [params[i].numel() * (wire or params[i].dtype).itemsize for i in members]
+        assert all(params[i].device == key[1] for i in members), "a bucket spans devices"
+        assert members == sorted(members, reverse=True), "a bucket's members are not in backward order"
+        if alone:
+            assert len(members) == 1 and nbytes[0] >= limit and params[members[0]].dtype == key[0]
+            continue
+        cap = min(limit, FIRST_BUCKET_BYTES) if rule.first_capped and key not in opened else limit
+        opened.add(key)
+        assert sum(nbytes[:-1]) < cap, f"bucket {members} went on past its size {cap}"
+        assert all(n < limit or params[i].dtype != key[0] for i, n in zip(members, nbytes, strict=True))
+
+
+def test_a_deep_model_on_a_gpu_makes_few_buckets() -> None:
+    # 36 tensors, 18 weights of 288 KiB: on the host each weight goes alone (18 collectives plus the biases);
+    # on a GPU (here "meta") they share DDP-sized buckets: the 1 MiB first bucket and one more.
+    from distutils_ml.buckets import REDUCER_CUT, cut_buckets, default_bucket_bytes
+
+    sizes = default_bucket_bytes(dml.LocalBackend(), None)
+    shapes = [s for _ in range(18) for s in ((256, 288), (256,))]
+    host = cut_buckets([torch.empty(s) for s in shapes], sizes, None, REDUCER_CUT)
+    gpu = cut_buckets([torch.empty(s, device="meta") for s in shapes], sizes, None, REDUCER_CUT)
+    assert sum(alone for alone, _, _ in host) == 18 and len(host) == 19
+    assert len(gpu) == 2 and not any(alone for alone, _, _ in gpu)
