@@ -78,6 +78,8 @@ _DOS_DIRECTORY = 0x10  # the "directory" bit of a zip record's external attribut
 _DIRECT_BLOCK = 8 << 20
 _DIRECT_ALIGN = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+# errno of a direct write that the file system refuses (alignment, or no O_DIRECT at all).
+_DIRECT_REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
 class _DirectFile:
@@ -142,19 +144,19 @@ class _DirectFile:
         self._block, self._filled = None, 0
 
     def _write_block(self, nbytes: int) -> None:
-        """Write the buffer's first ``nbytes`` direct (or through the page cache once refused); keep the rest."""
+        """Write the buffer's first ``nbytes`` direct (through the page cache from where that is refused); keep
+        the rest at the buffer's start."""
         assert self._block is not None
         view = memoryview(self._block)
         try:
-            if self._direct:
+            done = 0
+            while done < nbytes:
                 try:
-                    _write_all(self._fd, view[:nbytes])
+                    done += os.write(self._fd, view[done:nbytes])
                 except OSError as e:
-                    if e.errno != errno.EINVAL:
+                    if not self._direct or e.errno not in _DIRECT_REFUSED:
                         raise
-                    self._buffered()  # refused (nothing was written): the same bytes through the page cache
-            if not self._direct:
-                _write_all(self._fd, view[:nbytes])
+                    self._buffered()  # a refused write writes nothing: the same bytes again, buffered
             left = self._filled - nbytes
             view[:left] = view[nbytes : self._filled]
             self._filled = left
