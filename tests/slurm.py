@@ -98,7 +98,8 @@ class Slurm:
         )
         conf = (
             f"ClusterName=dml\nSlurmctldHost={c.hosts[0]}({c.addresses[0]})\n"
-            "AuthType=auth/none\nCredType=cred/none\nSlurmUser=root\nSlurmdUser=root\n"
+            # cred_expire: how long a requeued job waits before it may start again (default 120 s)
+            "AuthType=auth/none\nAuthInfo=cred_expire=10\nCredType=cred/none\nSlurmUser=root\nSlurmdUser=root\n"
             f"StateSaveLocation={d}/ctld\nSlurmdSpoolDir={d}/spool-%n\n"
             f"SlurmctldPidFile={d}/slurmctld.pid\nSlurmdPidFile={d}/slurmd-%n.pid\n"
             f"SlurmctldLogFile={d}/slurmctld.log\nSlurmdLogFile={d}/slurmd-%n.log\n"

@@ -60,10 +60,14 @@ def _sbatch(
     return run.output.split()[-1].split(";")[0]
 
 
-def _wait(s: slurm.Slurm, job: str, timeout: float, *, settled: bool = True) -> tuple[str, float]:
-    """Wait until ``job`` stops running (``settled``: and SLURM has finished ending it); (its state, when)."""
+def _wait(
+    s: slurm.Slurm, job: str, timeout: float, *, settled: bool = True, requeued: bool = False
+) -> tuple[str, float]:
+    """Wait until ``job`` stops running (``settled``: and SLURM has finished ending it; ``requeued``: and it is not
+    on its way back into the queue either); (its state, when)."""
     deadline = time.monotonic() + timeout
     going = ("PENDING", "CONFIGURING", "RUNNING", *(("COMPLETING",) if settled else ()))
+    going += ("REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING") if requeued else ()
     while time.monotonic() < deadline:
         state = _state(s, job)
         if state not in going:
@@ -289,3 +293,33 @@ def test_launch_restarts_inside_the_allocation_without_a_node_that_died(slurm_2x
     first = float(re.findall(r"FIRST STEP AFTER RESUME AT (\S+)", out)[0])
     print(f"node-b died: the first step after the resume came {first - killed_at[0]:.1f} s later")
     assert first - killed_at[0] < STALL + 20, first - killed_at[0]  # the stall timeout, a launch, a load
+
+
+def test_a_requeued_batch_job_resumes_from_its_checkpoint(slurm_2x2: slurm.Slurm, tmp_path: Path) -> None:
+    """SLURM's requeue (what it does by default to a batch job that lost a node; here ``scontrol requeue`` while the
+    job runs) starts the script again from the top: ``TrainState`` resumes it from its last checkpoint at the same
+    world size, and it ends bit-identical to a job that ran through (tests/restart_job.py, by the template)."""
+    s = slurm_2x2
+    env = {"SCRIPT": str(TESTS / "restart_job.py")}
+    through, requeued = tmp_path / "through", tmp_path / "requeued"
+    through.mkdir()
+    requeued.mkdir()
+    plain = _sbatch(s, TEMPLATE, tmp_path / "through.out", "none", str(through), env=env)
+    state, _ = _wait(s, plain, 120)
+    assert state == "COMPLETED", (state, (tmp_path / "through.out").read_text()[-4000:])
+    out = tmp_path / "requeued.out"
+    job = _sbatch(s, TEMPLATE, out, "kill-node", str(requeued), env=env, sbatch=("--requeue", "--open-mode=append"))
+    _until(out, "KILL MY NODE", 120)  # step 10: the checkpoint of step 8 is written (it goes on slowly)
+    asked = time.time()
+    s.command(["scontrol", "requeue", job])
+    state, _ = _wait(s, job, 240, requeued=True)
+    text = out.read_text(errors="replace")
+    assert state == "COMPLETED", f"{state}\n{text[-6000:]}\n{s.logs()}"
+    assert text.count("STARTED AT") == 2, text[-6000:]  # the script ran twice, from the top
+    resumed = re.search(r"RESUMED AT (\S+) step (\d+) on 4 ranks", text)
+    assert resumed and int(resumed.group(2)) >= 8, text[-6000:]
+    assert "FINISHED at step 24 on 4 ranks" in text, text[-6000:]  # 192 samples, 4 ranks of 4: 12 steps an epoch
+    print(
+        f"requeued at step >= 10: resumed from step {resumed.group(2)}, {float(resumed.group(1)) - asked:.1f} s later"
+    )
+    assert np.array_equal(np.load(through / "final.npy"), np.load(requeued / "final.npy"))
