@@ -214,8 +214,8 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             row = torch.cat([work.new_tensor([count, 0]), mean.detach(), var.detach()])
         else:  # a raised flag: every rank learns that some rank failed, and raises
             device, dtype = self._reference()
-            if device is None:  # no parameters nor buffers: where the other ranks' (valid) inputs would be
-                device = x.device if isinstance(x, torch.Tensor) else self._backend_device()
+            if device is None:  # no parameters nor buffers: where the other ranks' (valid) inputs are
+                device = self._backend_device() or (x.device if isinstance(x, torch.Tensor) else torch.device("cpu"))
             row = torch.zeros(2 * c + 2, device=device, dtype=dtype)
             row[1] = 1
         # A backend that stages device buffers through the host gets host tensors here, so that the backward's
@@ -269,20 +269,24 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         device, _ = self._reference()
         if device is not None and x.device != device:
             return ValueError(f"input is on {x.device}, this SyncBatchNorm's parameters and buffers on {device}")
+        gpu = self._backend_device() if device is None else None
+        if gpu is not None and x.device != gpu:  # every rank's statistics must travel the same way (NCCL)
+            return ValueError(f"input is on {x.device}; this SyncBatchNorm's backend works on {gpu}")
         return None
 
     def _reference(self) -> tuple[torch.device | None, torch.dtype]:
-        """The device of the parameters and buffers (None: it has none, so any device's input is taken), and the
-        dtype statistics of such an input use."""
+        """The device of the parameters and buffers (None: it has none; then the input must be on the backend's GPU
+        where it has one, else anywhere), and the dtype statistics of such an input use."""
         for t in (self.weight, self.running_mean):
             if t is not None:
                 return t.device, torch.float64 if t.dtype == torch.float64 else torch.float32
         return None, torch.float32
 
-    def _backend_device(self) -> torch.device:
-        """The device a backend that takes device buffers works on (NCCL: its GPU), else the host."""
+    def _backend_device(self) -> torch.device | None:
+        """The GPU of a backend that sends device buffers its own way (NCCL: host buffers go through MPI), else
+        None (every buffer goes the same way, or through the host)."""
         gpu = getattr(self.backend, "device", None) if self.backend.takes_device_buffers else None
-        return torch.device("cuda", gpu) if isinstance(gpu, int) else torch.device("cpu")
+        return torch.device("cuda", gpu) if isinstance(gpu, int) and not isinstance(gpu, bool) else None
 
     def _update_running_stats(self, mean: torch.Tensor, unbiased_var: torch.Tensor) -> None:
         if self.running_mean is None or self.running_var is None:

@@ -127,6 +127,12 @@ class _DirectFile:
     def flush(self) -> None:
         """Nothing to do before :meth:`finish` (``torch.save`` calls it)."""
 
+    def close(self) -> None:
+        """Free the block buffer (after :meth:`finish`, or instead of it when the write failed)."""
+        if self._block is not None:
+            self._block.close()
+            self._block, self._filled = None, 0
+
     def finish(self) -> None:
         """Write what the block buffer holds: its aligned part direct, the rest through the page cache."""
         if self._block is None:
@@ -140,8 +146,7 @@ class _DirectFile:
             _write_all(self._fd, view[: self._filled])
         finally:
             view.release()
-        self._block.close()
-        self._block, self._filled = None, 0
+        self.close()
 
     def _write_block(self, nbytes: int) -> None:
         """Write the buffer's first ``nbytes`` direct (through the page cache from where that is refused); keep
@@ -152,7 +157,7 @@ class _DirectFile:
             done = 0
             while done < nbytes:
                 try:
-                    done += os.write(self._fd, view[done:nbytes])
+                    done += _write_some(self._fd, view[done:nbytes])
                 except OSError as e:
                     if not self._direct or e.errno not in _DIRECT_REFUSED:
                         raise
@@ -174,7 +179,18 @@ class _DirectFile:
 def _write_all(fd: int, view: memoryview) -> None:
     """``os.write`` until every byte of ``view`` is written."""
     while len(view):
-        view = view[os.write(fd, view) :]
+        view = view[_write_some(fd, view) :]
+
+
+def _write_some(fd: int, view: memoryview) -> int:
+    """One ``os.write``: how many bytes it wrote (none is an error, not a reason to try forever)."""
+    n = _os_write(fd, view)
+    if n <= 0:
+        raise OSError(errno.EIO, f"write of {len(view)} bytes wrote nothing")
+    return n
+
+
+_os_write = os.write  # the one system call the writer makes (tests put failures in its place)
 
 
 def check_path(path: Any, caller: str) -> str:
@@ -414,14 +430,15 @@ def write_atomic(state: Any, path: str) -> None:
     try:
         # The descriptor stays open, so the lock held, until the file has its final name:
         # a concurrent save to the same path never takes it for abandoned.
+        f = _DirectFile(fd)
         try:
-            f = _DirectFile(fd)
             with _crc32_on():
                 torch.save(state, f)
             f.finish()
             os.fsync(fd)
             os.replace(tmp, path)
         finally:
+            f.close()
             os.close(fd)
     except BaseException:  # any failure, KeyboardInterrupt included: leave no partial file behind
         with contextlib.suppress(OSError):

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
-from distutils_ml.buckets import default_bucket_bytes, default_overlap
+from distutils_ml.buckets import BucketBytes, default_bucket_bytes, default_overlap
 from distutils_ml.collectives import allgather
 from distutils_ml.optimizer_base import DataParallelOptimizer, Phase, check_sparse_as_dense
 from distutils_ml.reducer import GradientReducer, ranks_text
@@ -59,7 +59,7 @@ def _params_of(module_or_params: torch.nn.Module | Iterable[torch.Tensor]) -> tu
 
 # allreduce_gradients keeps one reducer per backend, op and bucket size, so its plan (and the
 # configuration check that comes with building one) is reused while the parameters stay the same.
-_REDUCERS: weakref.WeakKeyDictionary[Backend, dict[tuple[ReduceOp, int, bool], GradientReducer]] = (
+_REDUCERS: weakref.WeakKeyDictionary[Backend, dict[tuple[ReduceOp, BucketBytes, bool], GradientReducer]] = (
     weakref.WeakKeyDictionary()
 )
 _REDUCERS_LOCK = threading.Lock()

@@ -447,24 +447,31 @@ MISUSES: dict[str, tuple[Callable[[nn.Module], Any], type[Exception], str]] = {
 }
 
 
-def bad_input_body(backend: dml.Backend, misuse: str, culprit: int) -> None:
-    """One rank's bad input makes every rank raise, naming that rank; state unchanged; the world still works."""
+def bad_input_body(backend: dml.Backend, misuse: str, culprit: int, stateless: bool = False) -> None:
+    """One rank's bad input makes every rank raise, naming that rank; state unchanged; the world still works.
+    ``stateless``: a layer without parameters or buffers (affine=False, track_running_stats=False)."""
     rank, world = backend.rank, backend.size
     call, cls, text = MISUSES[misuse]
-    bn = dml.SyncBatchNorm(backend, 3)
+    options: dict[str, Any] = {"affine": False, "track_running_stats": False} if stateless else {}
+    bn = dml.SyncBatchNorm(backend, 3, **options)
     x = torch.arange(12.0).reshape(4, 3)
     kind, msg = raised(lambda: call(bn) if rank == culprit else bn(x))
     tracked = 0
     if world == 1:  # torch.nn.BatchNorm's own behaviour
-        plain = nn.BatchNorm1d(3)
-        assert kind is raised(lambda: call(plain))[0] is not None, msg
-        tracked = plain.num_batches_tracked.item()  # torch counts the batch before some of its checks
+        plain = nn.BatchNorm1d(3, **options)
+        assert kind is raised(lambda: call(plain))[0], msg  # stateless torch takes any channel count
+        assert kind is not None or (stateless and misuse == "channels"), msg
+        tracked = 0 if stateless else plain.num_batches_tracked.item()  # torch counts the batch before some checks
     else:
         assert kind is cls, (kind, msg)
         assert f"rank(s) [{culprit}] cannot normalize their input" in msg and text in msg, msg
-    assert bn.num_batches_tracked.item() == tracked and (bn.running_mean == 0).all() and (bn.running_var == 1).all()
+    if not stateless:
+        assert bn.num_batches_tracked.item() == tracked
+        assert (bn.running_mean == 0).all() and (bn.running_var == 1).all()
     y = bn(x)  # the next forward works on every rank
-    assert bn.num_batches_tracked.item() == tracked + 1 and y.shape == x.shape
+    assert y.shape == x.shape
+    if not stateless:
+        assert bn.num_batches_tracked.item() == tracked + 1
     world_usable(backend)
 
 

@@ -47,8 +47,9 @@ def misuse_checks(backend: dml.Backend) -> int:
     count = 0
     for misuse in bodies.MISUSES:
         for culprit in range(backend.size):
-            guarded(bodies.bad_input_body, backend, misuse, culprit)
-            count += 1
+            for stateless in (False, True):
+                guarded(bodies.bad_input_body, backend, misuse, culprit, stateless)
+                count += 1
     return count
 
 

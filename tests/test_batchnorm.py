@@ -69,11 +69,12 @@ def test_bodies_on_simulated_ranks(world: int, body: Callable[[dml.Backend], Non
     dml.LocalBackend.spawn(world, body, timeout=60)
 
 
+@pytest.mark.parametrize("stateless", [False, True], ids=["affine-tracking", "stateless"])
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("misuse", sorted(bodies.MISUSES))
-def test_bad_input_on_one_rank_raises_on_every_rank(world: int, misuse: str) -> None:
+def test_bad_input_on_one_rank_raises_on_every_rank(world: int, misuse: str, stateless: bool) -> None:
     for culprit in range(world):
-        dml.LocalBackend.spawn(world, bodies.bad_input_body, misuse, culprit, timeout=60)
+        dml.LocalBackend.spawn(world, bodies.bad_input_body, misuse, culprit, stateless, timeout=60)
 
 
 def test_debug_mode_sees_the_same_calls_on_every_rank() -> None:

@@ -134,18 +134,19 @@ def test_default_bucket_sizes_per_device_and_a_given_size_for_every_device() -> 
     given = default_bucket_bytes(backend, 1000)
     assert given == BucketBytes(1000, 1000) and repr(given) == "1000"  # messages show what the user wrote
     assert given.on(torch.device("cpu")) == given.on(torch.device("meta")) == 1000
-    for bad in (-1, 1.5, True, "1"):
+    assert repr(BucketBytes(1, 2)) == "(host 1, GPU 2)"
+    for bad in (-1, 1.5, True, "1", BucketBytes(-1, 5), BucketBytes(5, 2.5)):
         with pytest.raises(ValueError, match="bucket_bytes"):
             default_bucket_bytes(backend, bad)
 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=24),
+    sizes=st.lists(st.one_of(st.integers(0, 3000), st.integers(150_000, 700_000)), min_size=1, max_size=24),
     devices=st.lists(st.sampled_from(["cpu", "meta"]), min_size=24, max_size=24),
     dtypes=st.lists(st.sampled_from([torch.float32, torch.float16, torch.float64]), min_size=24, max_size=24),
-    host=st.integers(0, 8000),
-    device=st.integers(0, 8000),
+    host=st.one_of(st.integers(0, 8000), st.integers(1 << 20, 3 << 20)),  # above FIRST_BUCKET_BYTES too
+    device=st.one_of(st.integers(0, 8000), st.integers(1 << 20, 3 << 20)),
     sharded=st.booleans(),
     wire=st.sampled_from([None, torch.float16]),
 )

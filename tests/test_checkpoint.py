@@ -749,3 +749,53 @@ def test_checkpoints_bypass_the_page_cache_where_the_file_system_allows(tmp_path
     dml_checkpoint.write_atomic(state, str(tmp_path / "c.pt"))
     back = torch.load(tmp_path / "c.pt", weights_only=True)
     assert torch.equal(back["w"], state["w"]) and back["n"] == 7
+
+
+@pytest.mark.parametrize("fault", ["short", "refused-part-way", "short-then-refused"])
+def test_a_short_or_refused_direct_write_goes_on_from_where_it_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    # The system call fails as file systems may: writes that take only part of the bytes (aligned, or not), and
+    # a refusal (EINVAL) after a part went. Every byte must land once, in order; then the writer goes on buffered.
+    import errno
+
+    from distutils_ml.checkpoint import _DirectFile
+
+    real = os.write
+    calls: list[int] = []
+
+    def flaky(fd: int, data: memoryview) -> int:
+        calls.append(len(data))
+        k = len(calls)
+        if fault != "refused-part-way" and k in (1, 3):  # short: 4096 bytes, then 1000 of a buffered write
+            return real(fd, data[: 4096 if k == 1 else 1000])
+        if fault != "short" and k == 2:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data)
+
+    monkeypatch.setattr(dml_checkpoint, "_os_write", flaky)
+    payload = np.random.default_rng(3).integers(0, 256, (17 << 20) + 123, dtype=np.uint8).tobytes()
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        f = _DirectFile(fd, direct=True)
+        f.write(payload[:5000])
+        f.write(payload[5000:])
+        f.finish()
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == payload
+    assert len(calls) >= 3, calls
+
+
+def test_a_write_that_writes_nothing_is_an_error_not_a_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from distutils_ml.checkpoint import _DirectFile
+
+    monkeypatch.setattr(dml_checkpoint, "_os_write", lambda fd, data: 0)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        f = _DirectFile(fd, direct=False)
+        with pytest.raises(OSError, match="wrote nothing"):
+            f.write(b"abc")
+        f.close()
+    finally:
+        os.close(fd)
