@@ -216,7 +216,7 @@ SHARDED_CUT = CutRule(first_capped=False, by_wire=False, keep_empty=False)
 
 
 def cut_buckets(
-    params: list[torch.Tensor], bucket_bytes: BucketBytes | int, comm_dtype: torch.dtype | None, rule: CutRule
+    params: list[torch.Tensor], bucket_bytes: BucketBytes, comm_dtype: torch.dtype | None, rule: CutRule
 ) -> list[tuple[bool, tuple[torch.dtype, torch.device], list[int]]]:
     """The buckets of ``params`` in the order they are sent: (alone, (dtype, device) of the group, indices).
 
@@ -225,7 +225,6 @@ def cut_buckets(
     group until it holds ``limit`` (the first one, with ``rule.first_capped``, ``min(limit,
     FIRST_BUCKET_BYTES)``); the buckets left open at the end are placed where their last (earliest) parameter is.
     """
-    sizes = BucketBytes.of(bucket_bytes)
     groups: list[tuple[bool, tuple[torch.dtype, torch.device], list[int]]] = []
     open_: dict[tuple[torch.dtype, torch.device], tuple[list[int], list[int]]] = {}  # key -> (members, bytes)
     seen: set[tuple[torch.dtype, torch.device]] = set()
@@ -236,7 +235,7 @@ def cut_buckets(
         wire = comm_dtype or p.dtype
         key = (wire if rule.by_wire else p.dtype, p.device)
         nbytes = p.numel() * wire.itemsize
-        limit = sizes.on(p.device)
+        limit = bucket_bytes.on(p.device)
         if nbytes >= limit and key[0] == p.dtype:
             groups.append((True, key, [i]))
             continue

@@ -77,7 +77,7 @@ class GradientReducer(BucketMachine):
         self,
         caller: str,
         op: Any,
-        bucket_bytes: BucketBytes | int,
+        bucket_bytes: BucketBytes,
         communication_dtype: torch.dtype | None,
         *,
         params: Callable[[], list[torch.Tensor]],
@@ -86,7 +86,7 @@ class GradientReducer(BucketMachine):
     ) -> None:
         self.caller = caller
         self.op = resolve_op(op)
-        self.bucket_bytes = BucketBytes.of(bucket_bytes)
+        self.bucket_bytes = bucket_bytes  # checked by default_bucket_bytes, which every caller goes through
         self.comm_dtype = check_communication_dtype(communication_dtype)
         self._params_of = params
         self._labels = labels
