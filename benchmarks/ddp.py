@@ -28,7 +28,8 @@ Contenders (every one trains its own copy of the same model, same initial weight
   reduction (a timer wrapped around ``dopt._reducer.reduce``; the call path is the user's ``step()``).
 * with ``--only``: ``dml_overlap`` / ``dml_end`` (``overlap=True`` / ``False`` forced), ``dml_shard``
   (``DistributedOptimizer(backend, opt, shard_state=True)``: ZeRO-1, reduce-scatter + allgather) and
-  ``dml_sdb`` (``step_during_backward=True``: each bucket stepped as its reduction lands) and
+  ``dml_sdb`` (``step_during_backward=True``: each bucket stepped as its reduction lands),
+  ``dml_shard_sdb`` (both: each bucket's shard stepped and allgathered as its reduce-scatter lands) and
   ``zero_gloo`` (DDP over gloo with torch's ``ZeroRedundancyOptimizer``). Each contender's optimizer
   state per rank (bytes of the tensors in the state of the optimizer that steps) is printed and in
   the JSON (``state_bytes_max_rank``).
@@ -67,7 +68,7 @@ LOOPS = ("naive_mpi4py", "gradview_mpi4py_chunk4M")
 CONTENDERS = ("ideal_local", "ddp_gloo", "naive_mpi4py", "gradview_mpi4py_chunk4M", "dml_after", "dml")
 # with --only: DistributedOptimizer with overlap=True / False; sharded state (ZeRO-1) against torch's
 # ZeroRedundancyOptimizer over DDP-gloo
-EXTRA_CONTENDERS = ("dml_overlap", "dml_end", "dml_shard", "dml_sdb", "zero_gloo")
+EXTRA_CONTENDERS = ("dml_overlap", "dml_end", "dml_shard", "dml_sdb", "dml_shard_sdb", "zero_gloo")
 # name -> Linear widths, ReLU between (none after the last); the models of shared/bench/ddp_peers.py.
 MODELS: dict[str, list[int]] = {
     "mlp2m": [784, 1024, 1024, 10],  # 1.86 M params, 6 tensors
@@ -296,15 +297,14 @@ def make_trainer(world: World, name: str, make: Callable[[], tuple[Any, Any]]) -
 
         return Trainer(step_after, model, note="allreduce_gradients, then step")
 
-    if name in ("dml", "dml_overlap", "dml_end", "dml_shard", "dml_sdb") or name.startswith("dml_bb"):
+    if name in ("dml", "dml_overlap", "dml_end", "dml_shard", "dml_sdb", "dml_shard_sdb") or name.startswith("dml_bb"):
         dml, backend = world.dml_backend()
         kw: dict[str, Any] = {}
         if name.startswith("dml_bb"):
             kw["bucket_bytes"] = common.parse_bytes(name.removeprefix("dml_bb"))
-        elif name == "dml_shard":
-            kw["shard_state"] = True
-        elif name == "dml_sdb":
-            kw["step_during_backward"] = True
+        elif name in ("dml_shard", "dml_sdb", "dml_shard_sdb"):
+            kw["shard_state"] = name != "dml_sdb"
+            kw["step_during_backward"] = name != "dml_shard"
         elif name != "dml":
             kw["overlap"] = name == "dml_overlap"
         dopt = dml.DistributedOptimizer(backend, opt, **kw)

@@ -132,22 +132,24 @@ def shard_table(label: str, res: dict[str, Any]) -> str | None:
 
 
 def forms_table(label: str, res: dict[str, Any], comm_s: dict[str, float]) -> str | None:
-    """The optimizer's forms against DDP over gloo and the limit: dml, step_during_backward (dml_sdb), sharded."""
-    rows = ["| model | dml step | dml_sdb step | dml_shard step | DDP (gloo) step | dml / DDP | dml_sdb / DDP | "
-            "dml_shard / DDP | dml / max(compute, comm) | dml_sdb / max(compute, comm) | "
-            "dml_shard / max(compute, comm) |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    """The optimizer's forms against DDP over gloo and the limit: dml, step_during_backward (dml_sdb), sharded
+    (dml_shard) and sharded with step_during_backward (dml_shard_sdb), those of them that ran."""
+    ran = set.intersection(*(set(r["contenders"]) for r in res["results"].values())) if res["results"] else set()
+    names = [k for k in ("dml", "dml_sdb", "dml_shard", "dml_shard_sdb") if k in ran]
+    head = " | ".join(f"{k} step" for k in names)
+    by_ddp = " | ".join(f"{k} / DDP" for k in names)
+    by_limit = " | ".join(f"{k} / max(compute, comm)" for k in names)
+    rows = [f"| model | {head} | DDP (gloo) step | {by_ddp} | {by_limit} |", "|---" * (2 + 3 * len(names)) + "|"]
     for model, r in res["results"].items():
         cs = r["contenders"]
-        if not {"ideal_local", "dml", "dml_sdb", "dml_shard", "ddp_gloo"} <= set(cs):
+        if len(names) < 3 or not {"ideal_local", "ddp_gloo", *names} <= set(cs):
             return None
-        comp, dml, sdb, shard, ddp = (
-            statistics.median(cs[k]["times_s"]) for k in ("ideal_local", "dml", "dml_sdb", "dml_shard", "ddp_gloo")
-        )
+        comp, ddp = (statistics.median(cs[k]["times_s"]) for k in ("ideal_local", "ddp_gloo"))
+        steps = [statistics.median(cs[k]["times_s"]) for k in names]
         limit = max(comp, comm_s[model])
         rows.append(
-            f"| {model} ({r['nparams'] / 1e6:.1f} M) | {_t(dml)} | {_t(sdb)} | {_t(shard)} | {_t(ddp)} | "
-            f"{dml / ddp:.2f} | {sdb / ddp:.2f} | {shard / ddp:.2f} | {dml / limit:.2f} | {sdb / limit:.2f} | "
-            f"{shard / limit:.2f} |"
+            f"| {model} ({r['nparams'] / 1e6:.1f} M) | {' | '.join(_t(t) for t in steps)} | {_t(ddp)} | "
+            f"{' | '.join(f'{t / ddp:.2f}' for t in steps)} | {' | '.join(f'{t / limit:.2f}' for t in steps)} |"
         )
     return f"#### the optimizer's forms, {label}\n\n" + "\n".join(rows)
 
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-steps", action="store_true", help="the allreduce comparison only")
     ap.add_argument("--dml-buckets", default="", help="benchmarks/ddp.py's --dml-buckets (dml_bb<S> contenders)")
     ap.add_argument("--json-dir", default="benchmarks/results", help="where each job's JSON goes")
-    ap.add_argument("--timeline", action="store_true", help="also benchmarks/timeline.py (4 forms)")
+    ap.add_argument("--timeline", action="store_true", help="also benchmarks/timeline.py (5 forms)")
     ap.add_argument("--tag", default="", help="appended to the result files' names (-TAG)")
     args = ap.parse_args(argv)
     reason = cluster.unavailable() or delayline.missing_requirements(need_tc=True)
@@ -216,8 +218,10 @@ def main(argv: list[str] | None = None) -> int:
                 out / f"network-ddp-{tag}.json", timeout=900,
             )  # fmt: skip
             lines = []
-            for extra in [[], ["--step-during-backward"], ["--shard"], ["--prefetch"]] if args.timeline else []:
-                suffix = extra[0].replace("--", "-") if extra else ""
+            sdb = "--step-during-backward"
+            variants = [[], [sdb], ["--shard"], ["--prefetch"], ["--shard", sdb]]
+            for extra in variants if args.timeline else []:
+                suffix = "".join(e.replace("--", "-") for e in extra)
                 res = mpi_job(
                     c, "timeline.py", ["--models", args.models, "--batch", str(args.batch), "--opt", args.opt, *extra],
                     out / f"network-timeline-{tag}{suffix}.json", timeout=900,

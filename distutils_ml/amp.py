@@ -210,6 +210,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
             )
         if not isinstance(optimizer, ShardedOptimizer):
             return False
+        if optimizer.step_during_backward:
+            raise TypeError(
+                f"ShardedGradScaler.{method}: optimizer: created with step_during_backward=True, which steps every "
+                "shard during backward(), before the scaler can unscale the gradients or check them for infs; create "
+                "it with step_during_backward=False to scale the loss"
+            )
         theirs, ours = optimizer.backend, self._backend
         if (theirs.rank, theirs.size) != (ours.rank, ours.size):
             raise ValueError(

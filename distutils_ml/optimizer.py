@@ -253,7 +253,8 @@ class DistributedOptimizer(DataParallelOptimizer):
             the wire; ``step()`` then steps only what is left. Bit-identical to stepping after backward,
             for optimizers that compute each parameter's update from that parameter alone. Nothing may
             change the gradients between ``backward()`` and ``step()`` (clipping, ``GradScaler``): ``step()``
-            raises if something did. Default False (:mod:`distutils_ml.stepping`).
+            raises if something did. With ``shard_state=True``: each bucket's shard is stepped and its
+            parameters allgathered as its reduce-scatter lands. Default False (:mod:`distutils_ml.stepping`).
         prefetch: with ``shard_state=True`` across hosts, ``step()`` returns before the updated
             parameters have all arrived and each module's forward waits for its own (see
             :class:`~distutils_ml.ShardedOptimizer`). Default False.

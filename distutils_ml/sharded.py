@@ -20,6 +20,12 @@ of ``.grad`` keeps this rank's own gradients. A small header (which ranks have a
 for each parameter, whether the parameters changed, the order in which buckets became
 ready) goes last, in one small reduce-scatter of its own.
 
+Stepping during backward (``step_during_backward=True``). Each bucket's ``_landed`` steps this
+rank's pieces of it when every parameter of the bucket had a gradient here, then allgathers it, on
+every rank: the collectives go reduce-scatter, allgather, bucket by bucket, alike everywhere. The
+header says at the end which buckets some rank had no gradient for; those are stepped where they
+were not (gradients nobody had are None) and allgathered again (:meth:`ShardedOptimizer._step_rest`).
+
 Step. A twin of the wrapped optimizer (same class and hyper-parameters) holds one
 tensor per (parameter, piece) overlap, views of the flat parameter buffer, so its state
 is this rank's share. It steps them on the reduced gradients; then every bucket's
@@ -61,18 +67,21 @@ from distutils_ml.buckets import (
 from distutils_ml.collectives import allgather, reduce_scatter
 from distutils_ml.gloo import GlooTransport
 from distutils_ml.objects import exclusive
-from distutils_ml.optimizer_base import DataParallelOptimizer
+from distutils_ml.optimizer_base import DataParallelOptimizer, Phase
 from distutils_ml.reducer import agree_on_settings
 from distutils_ml.sharded_clip import ShardedClipping
 from distutils_ml.sharded_layout import Bucket, Piece, build_layout
 from distutils_ml.sharded_rules import check_group, check_shardable, register_elementwise
 from distutils_ml.sharded_state import ShardedState
-from distutils_ml.stepping import step_groups
+from distutils_ml.stepping import describe_positions, step_groups
 from distutils_ml.transport import transport_for
 
 __all__ = ["ShardedOptimizer"]
 
-_FIX = "Create DistributedOptimizer with shard_state=True and the same op, bucket_bytes and communication_dtype"
+_FIX = (
+    "Create DistributedOptimizer with shard_state=True and the same op, bucket_bytes, communication_dtype, "
+    "step_during_backward and prefetch"
+)
 
 
 class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, ShardedClipping):
@@ -120,6 +129,12 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
             forward waits only for its own parameters' buckets (a forward pre-hook), as FSDP
             prefetches. Until then read parameters only through a module's forward, a collective,
             this optimizer's methods or :meth:`wait_for_parameters`. Default False.
+        step_during_backward: step this rank's shard of each bucket, and allgather the bucket's
+            updated parameters, as soon as its reduce-scatter lands, during ``backward()``
+            (buckets for which some rank had no gradient: at the end of backward); ``step()``
+            then sends nothing. Bit-identical to stepping after backward; nothing may change the
+            gradients in between (``step()`` raises), so no clipping or loss scaling. Not with
+            ``prefetch``. Default False.
         backward_passes_per_step: reduce only every k-th backward (accumulate locally before).
         shard_state: must be True (the argument ``DistributedOptimizer`` dispatches on).
 
@@ -141,11 +156,12 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
     _example = "dml.DistributedOptimizer(backend, torch.optim.Adam(model.parameters()), shard_state=True)"
 
     def _setup(self, op: Any, bucket_bytes: int | None, communication_dtype: Any, overlap: bool | None) -> None:
-        if self._step_during_backward:
+        if self._step_during_backward and self._prefetch:
             raise TypeError(
-                "step_during_backward=True: the sharded optimizer steps in step(), where across hosts it already "
-                "steps bucket by bucket while the previous bucket's allgather is on the wire; leave it False with "
-                "shard_state=True"
+                "step_during_backward=True with prefetch=True: the first allgathers each bucket's updated parameters "
+                "during backward, as soon as its shard is stepped; the second leaves them all to the next forward. "
+                "Choose one (step_during_backward keeps step() free of communication; prefetch overlaps the "
+                "allgathers with forward)"
             )
         backend = self._backend
         self._op = resolve_op(op)
@@ -167,6 +183,11 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         self._last_arrival: threading.Event | None = None
         self._arrival_error: BaseException | None = None
         self._arrival_hook: Any = None
+        # step_during_backward: the buckets stepped here in this backward; whether a backward stepped and step()
+        # has not come yet; each gradient (tensor, version) when that backward returned
+        self._stepped_here: set[int] = set()
+        self._stepped_pending = False
+        self._seen: list[tuple[torch.Tensor, torch.Tensor | None, int]] = []
         self._build(params)
 
     def _check_shard_state(self, shard_state: Any) -> None:
@@ -192,8 +213,8 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         self._head = torch.zeros(self._backend.size, len(params) + 1 + 3 * len(layout.buckets), dtype=torch.float64)
         self._scratch.clear()
         self._inner = self._shard_optimizer(layout.pieces)
-        self._piece_index = {id(pc.tensor): pc.index for pc in layout.pieces}
-        self._pieces_by_bucket: list[list[list[torch.Tensor]]] | None = None  # per bucket, per group: its pieces
+        # per bucket, then one entry for parameters without elements: (this rank's pieces, their tensors per group)
+        self._pieces_by_bucket: list[tuple[list[Piece], list[list[torch.Tensor]]]] | None = None
         self._scatter_state()
         for handle in self._hooks:
             handle.remove()
@@ -287,12 +308,20 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         """Whether buckets are reduce-scattered on the communication thread while backward runs."""
         return self._overlap
 
+    @property
+    def step_during_backward(self) -> bool:
+        """Whether each bucket's shard is stepped, and its parameters allgathered, as soon as its reduce-scatter
+        lands, during backward."""
+        return self._step_during_backward
+
     # -- agreement ---------------------------------------------------------------------------
 
     def _agree(self) -> None:
         """Raise ``ValueError`` on every rank unless every rank shards alike (one small allgather)."""
         backend = self._backend
-        settings = (f"{self._op!r} with shard_state=True", self._wire, self._bucket_bytes)
+        named = (("step_during_backward", self._step_during_backward), ("prefetch", self._prefetch))
+        forms = "".join(f", {name}=True" for name, on in named if on)  # when the allgathers go: ranks must agree
+        settings = (f"{self._op!r} with shard_state=True{forms}", self._wire, self._bucket_bytes)
         agree_on_settings(
             backend, "DistributedOptimizer", _FIX, settings, params=self._params, labels=lambda: self._names
         )
@@ -372,10 +401,43 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         """Agree on the layout across ranks (once); whether the parameters changed since it was built."""
         if not self._agreed:
             self._agree()
+        if self._step_during_backward:  # the buckets may be stepped on the communication thread: read them now
+            self._sync_hyper()
         return self._changed()
 
     def _reduced_in_backward(self) -> None:
         self._backward_reduced()
+        if self._stepped_pending:  # what step() checks: nothing may change the gradients until then
+            self._seen = [(p, p.grad, -1 if p.grad is None else p.grad._version) for p in self._params]
+
+    def _check_reducing_backward(self) -> None:
+        if self._stepped_pending:
+            self._forget_stepping()
+            raise RuntimeError(
+                "DistributedOptimizer(shard_state=True, step_during_backward=True): a second reducing backward() "
+                "before step(); the first one already stepped the shards of its buckets, and this one would step "
+                "them again. Call opt.step() after each backward, or accumulate micro-batches inside opt.no_sync() "
+                "or with backward_passes_per_step=k"
+            )
+
+    def _landed(self, state: Round, k: int) -> None:
+        """With ``step_during_backward``, in a backward: step this rank's pieces of bucket ``k`` now if their reduced
+        gradients are final (every parameter of the bucket had a gradient here, so none is left None on every rank
+        by the header, which lands last), then allgather the bucket, on every rank alike (the collectives go in the
+        same order everywhere: each bucket's reduce-scatter, then its allgather). A bucket not stepped here is
+        stepped, and allgathered again, when the header has landed (:meth:`_step_rest`)."""
+        if not self._step_during_backward or state.task < 0:
+            return
+        bucket = self._buckets[k]
+        if not state.changed and all(state.has[i] for i in bucket.params):
+            pieces, members = self._by_bucket()[k]
+            for pc in pieces:
+                pc.tensor.grad = pc.grad
+            self._stepped_pending = True  # set first: a failing step leaves step() to refuse
+            self._stepped_here.add(k)
+            if any(members):
+                step_groups(self._inner, members)
+        self._allgather(bucket)
 
     def _fill(self, state: Round, k: int) -> torch.Tensor:
         """Bucket ``k``'s gradients in place in the flat gradient buffer (zeros for the missing ones)."""
@@ -471,12 +533,56 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
                 "model.to()) on at least one rank; this backward reduced the old parameters only. Create the "
                 "optimizer again after changing the model (or add parameters with its add_param_group), on every rank"
             )
-        if state.task < 0 or not nb:
+        if state.task < 0:
             return
-        differs = order_mismatch(row[n + 1 :].reshape(nb, 3), size, ReduceOp.SUM, None, averaged=False)
-        if differs is not None and differs.any():
-            k = int(np.flatnonzero(differs)[0])
-            raise order_error(self.caller, k, nb, [self._names[i] for i in self._buckets[k].params])
+        if nb:
+            differs = order_mismatch(row[n + 1 :].reshape(nb, 3), size, ReduceOp.SUM, None, averaged=False)
+            if differs is not None and differs.any():
+                k = int(np.flatnonzero(differs)[0])
+                raise order_error(self.caller, k, nb, [self._names[i] for i in self._buckets[k].params])
+        if self._step_during_backward:
+            self._step_rest(row[:n], size)
+
+    def _step_rest(self, counts: np.ndarray, size: int) -> None:
+        """End of a backward with ``step_during_backward``: the header says how many ranks had each gradient, the
+        same on every rank. A bucket where some rank lacked one was not stepped there: each rank steps its pieces of
+        such buckets that it did not step (a gradient no rank had is None, and skipped, as in ``step()``), and every
+        rank allgathers them again. Parameters without elements are stepped here too."""
+        unsettled = [k for k, b in enumerate(self._buckets) if any(counts[i] < size for i in b.params)]
+        by_bucket = self._by_bucket()
+        members: list[list[torch.Tensor]] = [[] for _ in self._inner.param_groups]
+        for k in [*(k for k in unsettled if k not in self._stepped_here), len(self._buckets)]:
+            pieces, tensors = by_bucket[k]
+            for pc in pieces:
+                grad = self._params[pc.index].grad
+                pc.tensor.grad = grad if pc.grad is None else (pc.grad if grad is not None else None)
+            for into, ts in zip(members, tensors, strict=True):
+                into.extend(ts)
+        self._stepped_pending = True
+        self._stepped_here = set()
+        if any(members):
+            step_groups(self._inner, members)
+        if unsettled and size > 1:
+            with exclusive(self._backend, "DistributedOptimizer backward"):
+                for k in unsettled:
+                    self._allgather(self._buckets[k])
+
+    def _by_bucket(self) -> list[tuple[list[Piece], list[list[torch.Tensor]]]]:
+        """Per bucket, then one last entry for the parameters without elements (rank 0's): this rank's pieces, and
+        their tensors per group of the shard optimizer."""
+        if self._pieces_by_bucket is None:
+            index = {id(t): g for g, group in enumerate(self._inner.param_groups) for t in group["params"]}
+            groups = len(self._inner.param_groups)
+            of_bucket: list[tuple[list[Piece], list[list[torch.Tensor]]]] = [
+                ([], [[] for _ in range(groups)]) for _ in range(len(self._buckets) + 1)
+            ]
+            for pc in self._pieces:
+                k = self._bucket_of[pc.index]
+                pieces, tensors = of_bucket[k if k >= 0 else len(self._buckets)]
+                pieces.append(pc)
+                tensors[index[id(pc.tensor)]].append(pc.tensor)
+            self._pieces_by_bucket = of_bucket
+        return self._pieces_by_bucket
 
     # -- reduce now ----------------------------------------------------------------------------
 
@@ -496,6 +602,10 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
 
     def _forget_round(self) -> None:
         self._reset_round()
+        self._forget_stepping()
+
+    def _forget_stepping(self) -> None:
+        self._stepped_here, self._stepped_pending, self._seen = set(), False, []
 
     def _clear_grads(self, set_to_none: bool) -> None:
         self._stale = False
@@ -533,6 +643,9 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         return super().step(closure)
 
     def _step(self, closure: Callable[[], Any] | None) -> Any:
+        if self._stepped_pending:
+            self._finish_stepping(closure)
+            return None
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -544,6 +657,36 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         if loss is not None and not self._no_sync:
             loss = self._reduce_loss(loss)
         return loss
+
+    def _finish_stepping(self, closure: Callable[[], Any] | None) -> None:
+        """``step()`` after a backward that stepped every shard (``step_during_backward``): nothing left to step or
+        send; raise if something changed the gradients since (those steps cannot be taken back)."""
+        problem = None
+        if closure is not None:
+            problem = "step(closure) was called; a closure computes new gradients, which those steps did not see"
+        elif self._phase not in (Phase.REDUCED, Phase.SYNCHRONIZED):
+            problem = "that backward did not finish, or more gradients were accumulated since"
+        else:
+            replaced = [k for k, (p, g, _) in enumerate(self._seen) if p.grad is not g]
+            changed = [k for k, (p, g, v) in enumerate(self._seen) if g is not None and p.grad is g and g._version != v]
+            if replaced:
+                names = describe_positions(replaced, self._names)
+                problem = f"the gradients of {names} were replaced or cleared since (code of yours)"
+            elif changed:
+                problem = (
+                    f"the gradients ({describe_positions(changed, self._names)}) were changed in place since "
+                    "(clipping, unscaling, or code of yours)"
+                )
+        self._end_step()
+        self._forget_stepping()
+        if problem is not None:
+            raise RuntimeError(
+                "DistributedOptimizer(shard_state=True, step_during_backward=True): backward() stepped the shard "
+                f"of each bucket as its reduce-scatter landed and allgathered the parameters, but {problem}; the "
+                "steps taken did not see that, and nothing more was stepped. Clipping to a global norm and a "
+                "GradScaler's inf check need the whole gradient before any parameter moves: use "
+                "step_during_backward=False for them"
+            )
 
     def _step_shard(self) -> None:
         """The shard optimizer's step (pieces of parameters without gradient skipped), then the allgather."""
@@ -572,19 +715,16 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         """Across hosts (gloo, whose waits sleep): step bucket k's pieces, then allgather bucket k on the
         communication thread while the next bucket's pieces are stepped. The shard optimizer is elementwise, so
         stepping its pieces bucket by bucket computes what one step over all of them does, bit for bit."""
-        if self._pieces_by_bucket is None:
-            groups = self._inner.param_groups
-            of_bucket = [[[] for _ in groups] for _ in self._buckets]
-            for g, params in enumerate(group["params"] for group in groups):
-                for t in params:
-                    of_bucket[self._bucket_of[self._piece_index[id(t)]]][g].append(t)
-            self._pieces_by_bucket = of_bucket
+        by_bucket = self._by_bucket()
         worker = self._backend.comm_thread()
+        _, elementless = by_bucket[-1]
+        if any(elementless):  # parameters without elements: nothing to allgather
+            step_groups(self._inner, elementless)
         order = range(len(self._buckets))
         if self._prefetch:  # forward order (buckets go in reverse parameter order): the first layers' first
             order = reversed(order)
         for k in order:
-            bucket, members = self._buckets[k], self._pieces_by_bucket[k]
+            bucket, members = self._buckets[k], by_bucket[k][1]
             if any(members):
                 step_groups(self._inner, members)
             if self._prefetch:

@@ -86,6 +86,13 @@ class ShardedClipping:
                 "the step's reducing backward (the last, outside no_sync()), or after leaving no_sync(): it then "
                 "reduces what was accumulated first, as step() would"
             )
+        if getattr(self, "_stepped_pending", False):
+            raise RuntimeError(
+                "ShardedOptimizer.clip_grad_norm_: with step_during_backward=True, backward() already stepped every "
+                "shard as its gradients landed, so clipping now would change nothing that is stepped (before any "
+                "communication, on every rank). Clipping to a global norm needs the whole gradient before any "
+                "parameter moves: use step_during_backward=False to clip"
+            )
         self.synchronize()  # reduces only what no backward reduced
         inf = norm_type == float("inf")
         pieces: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}

@@ -4,7 +4,8 @@ LocalBackend by tests/test_stepping.py and under mpiexec by tests/stepping_job.p
 The property: training with ``step_during_backward=True`` ends with parameters and optimizer state bit-identical
 to training with it False, on every rank, for random models, optimizers, bucket sizes, overlap, wire dtypes,
 parameters that some ranks leave without a gradient, frozen parameters and micro-batches accumulated inside
-``no_sync()``; and the buckets are really stepped during backward (counted, where every gradient is final).
+``no_sync()``, unsharded and sharded (``shard_state=True``); and the buckets are really stepped during backward
+(counted where every gradient is final; sharded: every parameter is stepped when backward returns).
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ class StepCase:
     bucket_bytes: int
     overlap: bool
     wire: str | None  # communication_dtype
-    unused: bool  # odd ranks leave the side layer without a gradient
+    unused: str  # "odd": odd ranks leave the side layer without a gradient; "all": every rank does; "": none
     frozen: bool  # the first layer's bias takes no gradient
     micro: int  # micro-batches per step, all but the last inside no_sync()
     steps: int
     seed: int
+    shard: bool = False  # shard_state=True (both replicas)
 
 
 @st.composite
@@ -52,11 +54,12 @@ def step_cases(draw: st.DrawFn) -> StepCase:
         bucket_bytes=draw(st.sampled_from([0, 64, 512, 4096, 1 << 20])),
         overlap=draw(st.booleans()),
         wire=draw(st.sampled_from([None, None, "bfloat16"])),
-        unused=draw(st.booleans()),
+        unused=draw(st.sampled_from(["", "odd", "all"])),
         frozen=draw(st.booleans()),
         micro=draw(st.integers(1, 2)),
         steps=draw(st.integers(1, 3)),
         seed=draw(st.integers(0, 2**31 - 1)),
+        shard=draw(st.booleans()),
     )
 
 
@@ -100,12 +103,12 @@ def equivalence_body(backend: dml.Backend, case: StepCase) -> dict[str, Any]:
     opts = [
         dml.DistributedOptimizer(
             backend, _optimizer(case, m), bucket_bytes=case.bucket_bytes, overlap=case.overlap,
-            communication_dtype=wire, step_during_backward=during,
+            communication_dtype=wire, step_during_backward=during, shard_state=case.shard,
         )
         for m, during in zip(models, (False, True), strict=True)
     ]  # fmt: skip
     assert opts[1].step_during_backward and not opts[0].step_during_backward
-    side = not (case.unused and rank % 2 == 1)
+    side = case.unused == "" or (case.unused == "odd" and rank % 2 == 0)
     stepped_in_backward = 0
     gen = torch.Generator().manual_seed(case.seed ^ (1000003 * (rank + 1)))
     for _ in range(case.steps):
@@ -116,12 +119,18 @@ def equivalence_body(backend: dml.Backend, case: StepCase) -> dict[str, Any]:
                 quiet = m < case.micro - 1
                 with opt.no_sync() if quiet else contextlib.nullcontext():
                     model(x, side).pow(2).mean().backward()
-            if opt.step_during_backward:
+            if opt.step_during_backward and case.shard:
+                # Every shard is stepped, and the parameters allgathered, before backward() returns.
+                for (name, p), q in zip(models[0].named_parameters(), model.parameters(), strict=True):
+                    assert torch.equal(p, q), f"{name}: after backward, differs by {(p - q).abs().max().item()}"
+                stepped_in_backward += sum(1 for p in model.parameters() if p.requires_grad)
+            elif opt.step_during_backward:
                 stepped_in_backward += len(opt._stepper._stepped)
             opt.step()
         for (name, p), q in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
             assert torch.equal(p, q), f"{name}: step_during_backward differs by {(p - q).abs().max().item()}"
-    states = [opt.state_dict()["state"] for opt in opts]
+    states = [opt.state_dict(to=None) if case.shard else opt.state_dict() for opt in opts]
+    states = [state["state"] for state in states]
     assert sorted(states[0]) == sorted(states[1]), (sorted(states[0]), sorted(states[1]))
     for index, a in states[0].items():  # the same state per parameter (created in another order)
         b = states[1][index]
@@ -132,7 +141,7 @@ def equivalence_body(backend: dml.Backend, case: StepCase) -> dict[str, Any]:
     every = dml.allgather_object(backend, flat.tolist())
     assert all(r == every[0] for r in every), "replicas differ across ranks"
     trained = sum(1 for p in models[1].parameters() if p.requires_grad)
-    if backend.size == 1 or not case.unused:
+    if case.unused == "" or (case.unused == "odd" and backend.size == 1):
         # Every gradient was final where its bucket landed: every parameter stepped during backward.
         assert stepped_in_backward == case.steps * trained, (stepped_in_backward, case.steps, trained)
     return {"stepped_in_backward": stepped_in_backward}
@@ -169,3 +178,55 @@ def errors_body(backend: dml.Backend, what: str) -> str:
             assert "side.weight" in str(e) or "param_groups" in str(e), e
         return str(e)
     raise AssertionError(f"{what}: not refused")
+
+
+def sharded_errors_body(backend: dml.Backend, what: str) -> str:
+    """``shard_state=True, step_during_backward=True``: what cannot be exact raises, on every rank alike."""
+    model = Net((4, 6, 2), 7)
+    opt = dml.DistributedOptimizer(
+        backend, torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=64, shard_state=True,
+        step_during_backward=True,
+    )  # fmt: skip
+    x = torch.ones(2, 4) * (backend.rank + 1)
+    model(x, True).sum().backward()
+    try:
+        if what == "clip":
+            opt.clip_grad_norm_(0.01)
+        elif what == "scaler":
+            dml.ShardedGradScaler(backend, "cpu").step(opt)
+        elif what == "replaced":
+            model.side.weight.grad = torch.zeros_like(model.side.weight)
+            opt.step()
+        elif what == "in_place":
+            model.side.weight.grad.mul_(0.5)
+            opt.step()
+        elif what == "twice":
+            for p in model.parameters():
+                p.grad = None  # cleared by hand, not by zero_grad(): the next backward must not step again
+            model(x, True).sum().backward()
+        elif what == "closure":
+            opt.step(lambda: model(x, True).sum())
+        else:
+            raise AssertionError(what)
+    except (RuntimeError, TypeError) as e:
+        assert "step_during_backward=True" in str(e), e
+        if what == "replaced":
+            assert "param_groups[0]['params'][4]" in str(e), e  # side.weight, named by its place
+        return str(e)
+    raise AssertionError(f"{what}: not refused")
+
+
+def sharded_agreement_body(backend: dml.Backend, setting: str) -> str:
+    """Sharded ranks that differ in ``setting`` (``step_during_backward`` moves the allgathers into backward,
+    ``prefetch`` reverses their order across hosts: paired across ranks, they would mix buckets) raise at once."""
+    model = Net((4, 6, 2), 7)
+    opt = dml.DistributedOptimizer(
+        backend, torch.optim.SGD(model.parameters(), lr=0.1), shard_state=True, **{setting: backend.rank == 0}
+    )
+    try:
+        model(torch.ones(2, 4), True).sum().backward()
+    except ValueError as e:
+        assert f"{setting}=True" in str(e) and "configured differently" in str(e), e
+        opt.zero_grad()
+        return str(e)
+    raise AssertionError(f"ranks with and without {setting} were not refused")

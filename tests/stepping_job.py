@@ -23,7 +23,11 @@ def main(names: list[str]) -> None:
     world = dml.get_distributed_backend(dml.MPIBackend)
     checks = {
         "equivalence": lambda: hypothesis_check(world, sb.equivalence_body, sb.step_cases(), 25),
-        "errors": lambda: [guarded(sb.errors_body, world, what) for what in ("clip", "scaler", "replaced", "twice")],
+        "errors": lambda: (
+            [guarded(sb.errors_body, world, what) for what in ("clip", "scaler", "replaced", "twice")]
+            + [guarded(sb.sharded_errors_body, world, what) for what in ("clip", "scaler", "in_place", "twice")]
+            + [guarded(sb.sharded_agreement_body, world, s) for s in ("step_during_backward", "prefetch")]
+        ),
     }
     run_checks(world, names or list(checks), "STEPPING CHECKS PASSED", lambda name: checks[name]())
 

@@ -685,6 +685,7 @@ def _step_expected(column: str, r: dict, comm: float | None) -> list[tuple[float
     cs = r["contenders"]
     comp, dml, ddp = (_median(cs, k) for k in ("ideal_local", "dml", "ddp_gloo"))
     after, shard, zero, sdb = (_median(cs, k) for k in ("dml_after", "dml_shard", "zero_gloo", "dml_sdb"))
+    shard_sdb = _median(cs, "dml_shard_sdb")
 
     def minus(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else a - b
@@ -715,6 +716,11 @@ def _step_expected(column: str, r: dict, comm: float | None) -> list[tuple[float
         "dml_shard / ddp": [(shard / ddp if shard and ddp else None, "")],
         "dml_sdb / max(compute, comm)": [(sdb / max(comp, comm) if comm and sdb and comp else None, "")],
         "dml_shard / max(compute, comm)": [(shard / max(comp, comm) if comm and shard and comp else None, "")],
+        "dml_shard_sdb step": [(shard_sdb, "s")],
+        "dml_shard_sdb / ddp": [(shard_sdb / ddp if shard_sdb and ddp else None, "")],
+        "dml_shard / dml": [(shard / dml if shard and dml else None, "")],
+        "dml_shard_sdb / dml": [(shard_sdb / dml if shard_sdb and dml else None, "")],
+        "dml_shard_sdb / dml_shard": [(shard_sdb / shard if shard_sdb and shard else None, "")],
     }
     if col.startswith("state per rank"):
         return [(cs[k]["state_bytes_max_rank"] / 2**20, "MiB") for k in ("dml", "dml_shard", "zero_gloo")]

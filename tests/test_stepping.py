@@ -31,15 +31,29 @@ def test_what_cannot_be_exact_raises_on_every_rank(what: str, world: int) -> Non
     assert len(messages) == world
 
 
-def test_optimizers_that_couple_parameters_sharded_state_and_join_are_refused() -> None:
+@pytest.mark.parametrize("what", ["clip", "scaler", "replaced", "in_place", "twice", "closure"])
+@pytest.mark.parametrize("world", [1, 3])
+def test_sharded_what_cannot_be_exact_raises_on_every_rank(what: str, world: int) -> None:
+    messages = dml.LocalBackend.spawn(world, sb.sharded_errors_body, what)
+    assert len(messages) == world
+
+
+@pytest.mark.parametrize("setting", ["step_during_backward", "prefetch"])
+def test_sharded_ranks_that_differ_in_when_the_allgathers_go_are_refused(setting: str) -> None:
+    messages = dml.LocalBackend.spawn(2, sb.sharded_agreement_body, setting)
+    assert len(messages) == 2
+
+
+def test_optimizers_that_couple_parameters_prefetch_and_join_are_refused() -> None:
     def body(backend: dml.Backend) -> None:
         model = torch.nn.Linear(3, 2)
         with pytest.raises(TypeError, match="LBFGS"):
             dml.DistributedOptimizer(backend, torch.optim.LBFGS(model.parameters()), step_during_backward=True)
-        with pytest.raises(TypeError, match="sharded optimizer steps in step"):
+        with pytest.raises(TypeError, match="step_during_backward=True with prefetch=True"):
             dml.DistributedOptimizer(
-                backend, torch.optim.SGD(model.parameters(), lr=0.1), shard_state=True, step_during_backward=True
-            )
+                backend, torch.optim.SGD(model.parameters(), lr=0.1), shard_state=True, step_during_backward=True,
+                prefetch=True,
+            )  # fmt: skip
         with pytest.raises(TypeError, match="step_during_backward: got 1"):
             dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1), step_during_backward=1)
         opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1), step_during_backward=True)
