@@ -210,11 +210,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
             )
         if not isinstance(optimizer, ShardedOptimizer):
             return False
-        if optimizer.step_during_backward:
+        if optimizer.step_during_backward and self.is_enabled():
             raise TypeError(
                 f"ShardedGradScaler.{method}: optimizer: created with step_during_backward=True, which steps every "
-                "shard during backward(), before the scaler can unscale the gradients or check them for infs; create "
-                "it with step_during_backward=False to scale the loss"
+                "shard during backward(), before a scaler can unscale the gradients or check them for infs (the "
+                "backward before this call stepped with the scaled gradients). Create it with "
+                "step_during_backward=False to scale the loss (a scaler created with enabled=False is accepted)"
             )
         theirs, ours = optimizer.backend, self._backend
         if (theirs.rank, theirs.size) != (ours.rank, ours.size):

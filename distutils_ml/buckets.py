@@ -540,6 +540,11 @@ class BucketMachine(abc.ABC):
             self._round = None
         self._reduced_in_backward()
 
+    def has_deferred_round(self) -> bool:
+        """Whether a round that a reentrant backward left open awaits completion (by :meth:`_reduce_now`)."""
+        state = self._round
+        return state is not None and state.deferred and not state.skip
+
     def _reset_round(self) -> None:
         """Forget a round a failed backward left unfinished (after its sent buckets have gone)."""
         if self._round is not None and self.backend is not None:

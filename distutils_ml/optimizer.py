@@ -378,8 +378,7 @@ class DistributedOptimizer(DataParallelOptimizer):
         return True
 
     def _check_reducing_backward(self) -> None:
-        if self._stepper is not None and self._stepper.pending:
-            self._stepper.forget()
+        if self._stepper is not None and self._stepper.pending:  # kept: step() then refuses (zero_grad() forgets)
             raise RuntimeError(
                 "DistributedOptimizer(step_during_backward=True): a second reducing backward() before step(); the "
                 "first one already stepped the parameters of its buckets, and this one would step them again. Call "
@@ -438,6 +437,8 @@ class DistributedOptimizer(DataParallelOptimizer):
         return super().step(closure)
 
     def _step(self, closure: Callable[[], Any] | None) -> Any:
+        if self._stepper is not None and self._reducer.has_deferred_round():
+            self._reduce()  # a reentrant backward left its round open (some buckets perhaps stepped): complete it
         if self._stepper is not None and self._stepper.pending:
             self._finish_stepping(closure)
             return None
@@ -479,6 +480,11 @@ class DistributedOptimizer(DataParallelOptimizer):
                 problem = (
                     f"the gradients of {describe_positions(moved, self._labels())} were changed or replaced since "
                     "(torch.nn.utils.clip_grad_norm_, GradScaler.unscale_, or code of yours)"
+                )
+            elif stepper.hyper_changed():
+                problem = (
+                    "a parameter group's settings (the learning rate, ...) were changed since backward() returned "
+                    "(set them before backward(); an LR scheduler steps after opt.step())"
                 )
         self._end_step()
         if problem is None:

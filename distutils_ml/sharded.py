@@ -22,9 +22,12 @@ ready) goes last, in one small reduce-scatter of its own.
 
 Stepping during backward (``step_during_backward=True``). Each bucket's ``_landed`` steps this
 rank's pieces of it when every parameter of the bucket had a gradient here, then allgathers it, on
-every rank: the collectives go reduce-scatter, allgather, bucket by bucket, alike everywhere. The
-header says at the end which buckets some rank had no gradient for; those are stepped where they
-were not (gradients nobody had are None) and allgathered again (:meth:`ShardedOptimizer._step_rest`).
+every rank and in every round: the collectives go reduce-scatter, allgather, bucket by bucket, then
+the header, alike everywhere. The header also carries, written on the communication thread after
+the buckets, which buckets each rank stepped and whether a step raised: at the end of the round
+every rank raises if one did; otherwise the buckets not stepped on every rank are stepped where
+they were not (gradients nobody had are None) and allgathered again
+(:meth:`ShardedOptimizer._step_rest`).
 
 Step. A twin of the wrapped optimizer (same class and hyper-parameters) holds one
 tensor per (parameter, piece) overlap, views of the flat parameter buffer, so its state
@@ -73,7 +76,7 @@ from distutils_ml.sharded_clip import ShardedClipping
 from distutils_ml.sharded_layout import Bucket, Piece, build_layout
 from distutils_ml.sharded_rules import check_group, check_shardable, register_elementwise
 from distutils_ml.sharded_state import ShardedState
-from distutils_ml.stepping import describe_positions, step_groups
+from distutils_ml.stepping import describe_positions, hyper_parameters, same_hyper_parameters, step_groups
 from distutils_ml.transport import transport_for
 
 __all__ = ["ShardedOptimizer"]
@@ -133,8 +136,8 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
             updated parameters, as soon as its reduce-scatter lands, during ``backward()``
             (buckets for which some rank had no gradient: at the end of backward); ``step()``
             then sends nothing. Bit-identical to stepping after backward; nothing may change the
-            gradients in between (``step()`` raises), so no clipping or loss scaling. Not with
-            ``prefetch``. Default False.
+            gradients or the groups' settings (learning rate) in between (``step()`` raises), so no
+            clipping or loss scaling. Not with ``prefetch``. Default False.
         backward_passes_per_step: reduce only every k-th backward (accumulate locally before).
         shard_state: must be True (the argument ``DistributedOptimizer`` dispatches on).
 
@@ -188,6 +191,8 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         self._stepped_here: set[int] = set()
         self._stepped_pending = False
         self._seen: list[tuple[torch.Tensor, torch.Tensor | None, int]] = []
+        self._step_failure: BaseException | None = None  # a step on the communication thread raised (this round)
+        self._hyper: list[dict[str, Any]] = []  # the groups' settings the shards are stepped with
         self._build(params)
 
     def _check_shard_state(self, shard_state: Any) -> None:
@@ -210,7 +215,9 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         self._names = self._labels()
         self._index = {id(p): i for i, p in enumerate(params)}
         self._offset, self._flats, self._buckets, self._bucket_of, self._views, self._values, self._pieces = layout
-        self._head = torch.zeros(self._backend.size, len(params) + 1 + 3 * len(layout.buckets), dtype=torch.float64)
+        # per parameter, the changed mark, 3 per bucket (ready order), 1 per bucket (stepped during backward), failed
+        nb = len(layout.buckets)
+        self._head = torch.zeros(self._backend.size, len(params) + 2 + 4 * nb, dtype=torch.float64)
         self._scratch.clear()
         self._inner = self._shard_optimizer(layout.pieces)
         # per bucket, then one entry for parameters without elements: (this rank's pieces, their tensors per group)
@@ -403,6 +410,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
             self._agree()
         if self._step_during_backward:  # the buckets may be stepped on the communication thread: read them now
             self._sync_hyper()
+            self._hyper = hyper_parameters(self.optimizer)
         return self._changed()
 
     def _reduced_in_backward(self) -> None:
@@ -411,8 +419,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
             self._seen = [(p, p.grad, -1 if p.grad is None else p.grad._version) for p in self._params]
 
     def _check_reducing_backward(self) -> None:
-        if self._stepped_pending:
-            self._forget_stepping()
+        if self._stepped_pending:  # kept: step() then refuses too (zero_grad() forgets)
             raise RuntimeError(
                 "DistributedOptimizer(shard_state=True, step_during_backward=True): a second reducing backward() "
                 "before step(); the first one already stepped the shards of its buckets, and this one would step "
@@ -421,22 +428,26 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
             )
 
     def _landed(self, state: Round, k: int) -> None:
-        """With ``step_during_backward``, in a backward: step this rank's pieces of bucket ``k`` now if their reduced
-        gradients are final (every parameter of the bucket had a gradient here, so none is left None on every rank
-        by the header, which lands last), then allgather the bucket, on every rank alike (the collectives go in the
-        same order everywhere: each bucket's reduce-scatter, then its allgather). A bucket not stepped here is
-        stepped, and allgathered again, when the header has landed (:meth:`_step_rest`)."""
-        if not self._step_during_backward or state.task < 0:
+        """With ``step_during_backward``: step this rank's pieces of bucket ``k`` now if their reduced gradients are
+        final (every parameter of the bucket had a gradient here, so none is left None on every rank by the header,
+        which lands last), then allgather the bucket. On every rank and in every round (a backward's, or one
+        ``step()`` runs), whatever happened here: the collectives go in the same order everywhere, each bucket's
+        reduce-scatter, then its allgather. A step that raises is recorded (the header tells every rank); a bucket
+        not stepped on every rank is stepped where it was not, and allgathered again, once the header has landed
+        (:meth:`_step_rest`)."""
+        if not self._step_during_backward:
             return
         bucket = self._buckets[k]
-        if not state.changed and all(state.has[i] for i in bucket.params):
+        if self._step_failure is None and not state.changed and all(state.has[i] for i in bucket.params):
             pieces, members = self._by_bucket()[k]
             for pc in pieces:
                 pc.tensor.grad = pc.grad
-            self._stepped_pending = True  # set first: a failing step leaves step() to refuse
-            self._stepped_here.add(k)
-            if any(members):
-                step_groups(self._inner, members)
+            try:
+                if any(members):
+                    step_groups(self._inner, members)
+                self._stepped_here.add(k)
+            except Exception as e:  # still allgathered below: the other ranks wait for this bucket
+                self._step_failure = e
         self._allgather(bucket)
 
     def _fill(self, state: Round, k: int) -> torch.Tensor:
@@ -462,7 +473,16 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         self._write_head(state)
         head = self._head
         self._stale = True
-        return lambda: self._reduce_scatter(head, ReduceOp.SUM)
+
+        def header() -> None:  # after every bucket's job: what was stepped here is known
+            if self._step_during_backward:
+                at = len(self._params) + 1 + 3 * len(self._buckets)
+                stepped = torch.tensor([k in self._stepped_here for k in range(len(self._buckets))], dtype=head.dtype)
+                head[:, at : at + len(self._buckets)] = stepped
+                head[:, -1] = 1.0 if self._step_failure is not None else 0.0
+            self._reduce_scatter(head, ReduceOp.SUM)
+
+        return header
 
     def _reduce_bucket(self, bucket: Bucket) -> None:
         """Reduce-scatter one bucket in place: this rank's piece of the flat gradients becomes the reduced one."""
@@ -511,17 +531,19 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
     def _write_head(self, state: Round) -> None:
         """Every row: which parameters have a gradient here, the changed mark, each bucket's ready position."""
         n, nb = len(self._params), len(self._buckets)
-        row = np.zeros(n + 1 + 3 * nb, dtype=np.float64)
+        row = np.zeros(n + 2 + 4 * nb, dtype=np.float64)
         for i, p in enumerate(self._params):
             row[i] = 1.0 if (state.has[i] if self._bucket_of[i] >= 0 else p.grad is not None) else 0.0
         row[n] = 1.0 if state.changed else 0.0
-        encode_order(row[n + 1 :].reshape(nb, 3), state.ready_at, state.task, ReduceOp.SUM, None)
+        encode_order(row[n + 1 : n + 1 + 3 * nb].reshape(nb, 3), state.ready_at, state.task, ReduceOp.SUM, None)
         self._head.copy_(torch.from_numpy(row).expand_as(self._head))
 
     def _finish(self, backend: Backend, state: Round) -> None:
         """After every bucket: ``.grad`` None where no rank had one; the header's checks."""
         size, n, nb = self._backend.size, len(self._params), len(self._buckets)
         row = self._head[self._backend.rank].numpy()
+        if self._step_during_backward:  # on every rank, whatever follows: step() then finishes or refuses
+            self._stepped_pending = True
         somebody = row[:n] > 0
         for i, p in enumerate(self._params):
             if not somebody[i] and self._views[i] is not None:
@@ -533,39 +555,55 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
                 "model.to()) on at least one rank; this backward reduced the old parameters only. Create the "
                 "optimizer again after changing the model (or add parameters with its add_param_group), on every rank"
             )
-        if state.task < 0:
-            return
-        if nb:
-            differs = order_mismatch(row[n + 1 :].reshape(nb, 3), size, ReduceOp.SUM, None, averaged=False)
+        if state.task >= 0 and nb:
+            differs = order_mismatch(
+                row[n + 1 : n + 1 + 3 * nb].reshape(nb, 3), size, ReduceOp.SUM, None, averaged=False
+            )
             if differs is not None and differs.any():
                 k = int(np.flatnonzero(differs)[0])
                 raise order_error(self.caller, k, nb, [self._names[i] for i in self._buckets[k].params])
         if self._step_during_backward:
-            self._step_rest(row[:n], size)
+            self._step_rest(row[n + 1 + 3 * nb :], size)
 
-    def _step_rest(self, counts: np.ndarray, size: int) -> None:
-        """End of a backward with ``step_during_backward``: the header says how many ranks had each gradient, the
-        same on every rank. A bucket where some rank lacked one was not stepped there: each rank steps its pieces of
-        such buckets that it did not step (a gradient no rank had is None, and skipped, as in ``step()``), and every
-        rank allgathers them again. Parameters without elements are stepped here too."""
-        unsettled = [k for k, b in enumerate(self._buckets) if any(counts[i] < size for i in b.params)]
+    def _step_rest(self, tail: np.ndarray, size: int) -> None:
+        """End of a round with ``step_during_backward``: the header's tail says, the same on every rank, on how many
+        ranks each bucket was stepped when it landed, and whether a step raised on any rank (then every rank raises,
+        after the same collectives). A bucket not stepped on every rank (some rank lacked one of its gradients) is
+        stepped now where it was not (a gradient no rank had is None, and skipped, as in ``step()``), and every rank
+        allgathers it again. Parameters without elements are stepped here too."""
+        nb = len(self._buckets)
+        stepped_on, failed_on = tail[:nb], round(float(tail[nb]))
+        mine, self._step_failure = self._step_failure, None
+        here, self._stepped_here = self._stepped_here, set()
+        if failed_on:
+            raise RuntimeError(
+                f"DistributedOptimizer(shard_state=True, step_during_backward=True): stepping a shard as its bucket "
+                f"landed raised on {failed_on} rank(s){f' (here: {type(mine).__name__}: {mine})' if mine else ''}; "
+                "the buckets were allgathered on every rank all the same, so the replicas agree, but the step is "
+                "incomplete: step() refuses it. Mend the cause and restore the last checkpoint"
+            ) from mine
+        unsettled = [k for k in range(nb) if stepped_on[k] < size]
         by_bucket = self._by_bucket()
         members: list[list[torch.Tensor]] = [[] for _ in self._inner.param_groups]
-        for k in [*(k for k in unsettled if k not in self._stepped_here), len(self._buckets)]:
+        for k in [*(k for k in unsettled if k not in here), nb]:
             pieces, tensors = by_bucket[k]
             for pc in pieces:
                 grad = self._params[pc.index].grad
                 pc.tensor.grad = grad if pc.grad is None else (pc.grad if grad is not None else None)
             for into, ts in zip(members, tensors, strict=True):
                 into.extend(ts)
-        self._stepped_pending = True
-        self._stepped_here = set()
-        if any(members):
-            step_groups(self._inner, members)
+        failure = None
+        try:
+            if any(members):
+                step_groups(self._inner, members)
+        except Exception as e:  # still allgathered below: the other ranks wait for these buckets
+            failure = e
         if unsettled and size > 1:
             with exclusive(self._backend, "DistributedOptimizer backward"):
                 for k in unsettled:
                     self._allgather(self._buckets[k])
+        if failure is not None:
+            raise failure
 
     def _by_bucket(self) -> list[tuple[list[Piece], list[list[torch.Tensor]]]]:
         """Per bucket, then one last entry for the parameters without elements (rank 0's): this rank's pieces, and
@@ -605,7 +643,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         self._forget_stepping()
 
     def _forget_stepping(self) -> None:
-        self._stepped_here, self._stepped_pending, self._seen = set(), False, []
+        self._stepped_here, self._stepped_pending, self._seen, self._step_failure = set(), False, [], None
 
     def _clear_grads(self, set_to_none: bool) -> None:
         self._stale = False
@@ -643,8 +681,11 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         return super().step(closure)
 
     def _step(self, closure: Callable[[], Any] | None) -> Any:
-        if self._stepped_pending:
-            self._finish_stepping(closure)
+        if self._step_during_backward and (self._stepped_pending or not self._no_sync):
+            reduced_now = closure is None and not self._stepped_pending and self._unreduced()
+            if reduced_now:  # nothing reduced yet (accumulated in no_sync(), set by hand, a reentrant backward's
+                self._reduce()  # open round): one round now, which steps and allgathers every bucket as backward's do
+            self._finish_stepping(closure, reduced_now)
             return None
         loss = None
         if closure is not None:
@@ -658,31 +699,35 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
             loss = self._reduce_loss(loss)
         return loss
 
-    def _finish_stepping(self, closure: Callable[[], Any] | None) -> None:
-        """``step()`` after a backward that stepped every shard (``step_during_backward``): nothing left to step or
-        send; raise if something changed the gradients since (those steps cannot be taken back)."""
+    def _finish_stepping(self, closure: Callable[[], Any] | None, reduced_now: bool) -> None:
+        """``step()`` with ``step_during_backward``, after the round that stepped every shard (a backward's, or
+        ``reduced_now`` by this step): nothing left to step or send; raise if something changed the gradients or the
+        groups' settings since the round (those steps cannot be taken back), or if it did not finish."""
         problem = None
         if closure is not None:
-            problem = "step(closure) was called; a closure computes new gradients, which those steps did not see"
-        elif self._phase not in (Phase.REDUCED, Phase.SYNCHRONIZED):
-            problem = "that backward did not finish, or more gradients were accumulated since"
+            problem = "step(closure) was called; a closure computes new gradients, which those steps would not see"
+        elif not self._stepped_pending:
+            problem = "no round stepped them"
+        elif not reduced_now and self._phase not in (Phase.REDUCED, Phase.SYNCHRONIZED):
+            problem = "that backward did not finish (it raised), or more gradients were accumulated since"
+        elif not same_hyper_parameters(self._hyper, hyper_parameters(self.optimizer)):
+            problem = (
+                "a parameter group's settings (the learning rate, ...) were changed since backward() began (set "
+                "them before backward(); an LR scheduler steps after opt.step())"
+            )
         else:
             replaced = [k for k, (p, g, _) in enumerate(self._seen) if p.grad is not g]
-            changed = [k for k, (p, g, v) in enumerate(self._seen) if g is not None and p.grad is g and g._version != v]
             if replaced:
                 names = describe_positions(replaced, self._names)
                 problem = f"the gradients of {names} were replaced or cleared since (code of yours)"
-            elif changed:
-                problem = (
-                    f"the gradients ({describe_positions(changed, self._names)}) were changed in place since "
-                    "(clipping, unscaling, or code of yours)"
-                )
+            elif any(g is not None and g._version != v for _, g, v in self._seen):
+                problem = "the gradients were changed in place since (clipping, unscaling, or code of yours)"
         self._end_step()
         self._forget_stepping()
         if problem is not None:
             raise RuntimeError(
-                "DistributedOptimizer(shard_state=True, step_during_backward=True): backward() stepped the shard "
-                f"of each bucket as its reduce-scatter landed and allgathered the parameters, but {problem}; the "
+                "DistributedOptimizer(shard_state=True, step_during_backward=True): backward() steps the shard "
+                f"of each bucket as its reduce-scatter lands and allgathers the parameters, but {problem}; the "
                 "steps taken did not see that, and nothing more was stepped. Clipping to a global norm and a "
                 "GradScaler's inf check need the whole gradient before any parameter moves: use "
                 "step_during_backward=False for them"

@@ -63,7 +63,8 @@ class ShardedClipping:
 
         Raises:
             ValueError: ``norm_type`` is not a number > 0 (before any communication).
-            RuntimeError: called inside ``no_sync()``, where the gradients are not reduced (before any
+            RuntimeError: the optimizer steps during backward (``step_during_backward=True``), or
+                called inside ``no_sync()``, where the gradients are not reduced (before any
                 communication); or ``error_if_nonfinite`` and the norm is not finite (on every rank).
 
         Example:
@@ -86,12 +87,12 @@ class ShardedClipping:
                 "the step's reducing backward (the last, outside no_sync()), or after leaving no_sync(): it then "
                 "reduces what was accumulated first, as step() would"
             )
-        if getattr(self, "_stepped_pending", False):
+        if getattr(self, "_step_during_backward", False):
             raise RuntimeError(
-                "ShardedOptimizer.clip_grad_norm_: with step_during_backward=True, backward() already stepped every "
-                "shard as its gradients landed, so clipping now would change nothing that is stepped (before any "
-                "communication, on every rank). Clipping to a global norm needs the whole gradient before any "
-                "parameter moves: use step_during_backward=False to clip"
+                "ShardedOptimizer.clip_grad_norm_: the optimizer was created with step_during_backward=True, whose "
+                "backward() steps every shard as its gradients land, so clipping after it would change nothing that "
+                "was stepped (refused before any communication, on every rank). Clipping to a global norm needs the "
+                "whole gradient before any parameter moves: use step_during_backward=False to clip"
             )
         self.synchronize()  # reduces only what no backward reduced
         inf = norm_type == float("inf")

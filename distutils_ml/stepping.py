@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import Any
 
 import torch
 
 from distutils_ml.commthread import CommThread
 
-__all__ = ["BucketStepper", "describe_positions", "step_groups"]
+__all__ = ["BucketStepper", "describe_positions", "hyper_parameters", "same_hyper_parameters", "step_groups"]
 
 
 class BucketStepper:
@@ -33,6 +34,7 @@ class BucketStepper:
         self.optimizer = optimizer
         self._stepped: dict[int, torch.Tensor] = {}
         self._seen: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._hyper: list[dict[str, Any]] = []
         self._subsets: dict[tuple, list[list[torch.Tensor]]] = {}
         # threaded: the steps run on a thread of their own, so that the communication thread, which hands them
         # over, goes on to the next bucket at once (stepping there would leave the link idle meanwhile)
@@ -66,6 +68,11 @@ class BucketStepper:
         (checked by ``finish``)."""
         self.wait()
         self._seen = [(p, p.grad, p.grad._version) for p in self._stepped.values() if p.grad is not None]
+        self._hyper = hyper_parameters(self.optimizer)
+
+    def hyper_changed(self) -> bool:
+        """Whether a parameter group's settings (the learning rate...) changed since :meth:`record`."""
+        return not same_hyper_parameters(self._hyper, hyper_parameters(self.optimizer))
 
     def changed(self) -> list[int]:
         """Positions (among the optimizer's parameters that take gradients) of stepped parameters whose gradient
@@ -113,6 +120,36 @@ def step_groups(optimizer: torch.optim.Optimizer, members: list[list[torch.Tenso
     finally:
         for group, ps in zip(groups, every, strict=True):
             group["params"] = ps
+
+
+def hyper_parameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's settings but its parameters (tensors copied): what a step reads besides gradients."""
+    return [
+        {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"}
+        for group in optimizer.param_groups
+    ]
+
+
+def same_hyper_parameters(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    """Whether two :func:`hyper_parameters` snapshots are equal (tensors by value)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if x.keys() != y.keys():
+            return False
+        for k, u in x.items():
+            v = y[k]
+            if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
+                same = isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor) and u.shape == v.shape
+                if not (same and torch.equal(u.cpu(), v.cpu())):
+                    return False
+                continue
+            try:
+                if u is not v and not bool(u == v):
+                    return False
+            except Exception:  # values that do not compare: counted as changed
+                return False
+    return True
 
 
 def describe_positions(positions: list[int], labels: list[str]) -> str:

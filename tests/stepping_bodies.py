@@ -170,12 +170,17 @@ def errors_body(backend: dml.Backend, what: str) -> str:
             model(x, True).sum().backward()
         elif what == "closure":
             opt.step(lambda: model(x, True).sum())
+        elif what == "lr":
+            opt.param_groups[0]["lr"] = 0.5  # after backward: the buckets were stepped with 0.1
+            opt.step()
         else:
             raise AssertionError(what)
     except RuntimeError as e:
         assert "step_during_backward=True" in str(e), e
         if what in ("clip", "replaced"):
             assert "side.weight" in str(e) or "param_groups" in str(e), e
+        if what == "twice":
+            _refused_after(opt)
         return str(e)
     raise AssertionError(f"{what}: not refused")
 
@@ -206,12 +211,17 @@ def sharded_errors_body(backend: dml.Backend, what: str) -> str:
             model(x, True).sum().backward()
         elif what == "closure":
             opt.step(lambda: model(x, True).sum())
+        elif what == "lr":
+            opt.param_groups[0]["lr"] = 0.5  # after backward: the shards were stepped with 0.1
+            opt.step()
         else:
             raise AssertionError(what)
     except (RuntimeError, TypeError) as e:
         assert "step_during_backward=True" in str(e), e
         if what == "replaced":
             assert "param_groups[0]['params'][4]" in str(e), e  # side.weight, named by its place
+        if what == "twice":
+            _refused_after(opt)
         return str(e)
     raise AssertionError(f"{what}: not refused")
 
@@ -230,3 +240,122 @@ def sharded_agreement_body(backend: dml.Backend, setting: str) -> str:
         opt.zero_grad()
         return str(e)
     raise AssertionError(f"ranks with and without {setting} were not refused")
+
+
+def _refused_after(opt: dml.DistributedOptimizer) -> None:
+    """After a refused second backward, ``step()`` refuses too (it would step the stray gradients again)."""
+    try:
+        opt.step()
+    except RuntimeError as e:
+        assert "step_during_backward=True" in str(e), e
+    else:
+        raise AssertionError("step() after a refused second backward stepped again")
+
+
+def _replicas(backend: dml.Backend, model: torch.nn.Module, shard: bool, overlap: bool, **kw: Any) -> list[Any]:
+    """(model, optimizer) twice, the second with step_during_backward."""
+    out = []
+    for during in (False, True):
+        m = copy.deepcopy(model)
+        opt = dml.DistributedOptimizer(
+            backend, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01), bucket_bytes=0,
+            overlap=overlap, shard_state=shard, step_during_backward=during, **kw,
+        )  # fmt: skip
+        out.append((m, opt))
+    return out
+
+
+def _same_everywhere(backend: dml.Backend, pairs: list[Any]) -> None:
+    (a, _), (b, _) = pairs
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), f"{name}: step_during_backward differs by {(p - q).abs().max().item()}"
+    flat = torch.cat([p.detach().reshape(-1) for p in b.parameters()])
+    every = dml.allgather_object(backend, flat.tolist())
+    assert all(r == every[0] for r in every), "replicas differ across ranks"
+
+
+def no_hook_body(backend: dml.Backend, shard: bool, overlap: bool) -> None:
+    """Ranks other than 0 run a backward that reaches no parameter (a loss of the input only): their step() reduces
+    now, and must run the collectives the other ranks' backward ran."""
+    pairs = _replicas(backend, Net((4, 5, 2), 3), shard, overlap)
+    x = torch.ones(3, 4).requires_grad_()
+    for _ in range(2):
+        for model, opt in pairs:
+            opt.zero_grad()
+            loss = model(x * (backend.rank + 1), True).sum() if backend.rank == 0 else (x * 2).sum()
+            loss.backward()
+            opt.step()
+        _same_everywhere(backend, pairs)
+
+
+def reentrant_body(backend: dml.Backend, shard: bool) -> None:
+    """The whole model inside ``checkpoint(use_reentrant=True)`` with overlap (odd ranks leave the side layer
+    unused): the round is left open by the nested backward and completed by step()."""
+    from torch.utils.checkpoint import checkpoint
+
+    pairs = _replicas(backend, Net((4, 5, 2), 5), shard, True)
+    side = backend.rank % 2 == 0
+    x = (torch.ones(2, 4) * (backend.rank + 1)).requires_grad_()
+    for _ in range(2):
+        for model, opt in pairs:
+            opt.zero_grad()
+            checkpoint(model, x, side, use_reentrant=True).sum().backward()
+            opt.step()
+        _same_everywhere(backend, pairs)
+
+
+class Flaky(torch.optim.SGD):
+    """SGD whose step raises while ``fail`` is set (a rank running out of memory, say)."""
+
+    fail = False
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        if self.fail:
+            raise MemoryError("simulated: out of memory in the optimizer's step")
+        return super().step(closure)
+
+
+def failing_step_body(backend: dml.Backend, overlap: bool) -> str:
+    """A shard's step raises on rank 1 only, during backward: every rank raises, after the same collectives (no hang,
+    the replicas agree); step() then refuses, and after zero_grad() training goes on."""
+    dml.ShardedOptimizer.register_elementwise(Flaky)
+    model = Net((4, 5, 2), 9)
+    opt = dml.DistributedOptimizer(
+        backend, Flaky(model.parameters(), lr=0.1), bucket_bytes=0, overlap=overlap, shard_state=True,
+        step_during_backward=True,
+    )  # fmt: skip
+    x = torch.ones(2, 4) * (backend.rank + 1)
+    opt.shard_optimizer.fail = backend.rank == 1 or backend.size == 1
+    try:
+        model(x, True).sum().backward()
+    except RuntimeError as e:
+        message = str(e)
+        assert "raised on 1 rank(s)" in message, message
+    else:
+        raise AssertionError("a failing step on one rank was not reported on every rank")
+    _refused_after(opt)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = dml.allgather_object(backend, flat.tolist())
+    assert all(r == every[0] for r in every), "replicas differ across ranks after the failure"
+    opt.shard_optimizer.fail = False
+    opt.zero_grad()
+    model(x, True).sum().backward()
+    opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = dml.allgather_object(backend, flat.tolist())
+    assert all(r == every[0] for r in every), "replicas differ across ranks after training on"
+    return message
+
+
+def disabled_scaler_body(backend: dml.Backend) -> None:
+    """``ShardedGradScaler(enabled=False)`` only calls ``opt.step()``: accepted with step_during_backward."""
+    pairs = _replicas(backend, Net((4, 5, 2), 4), True, False)
+    scaler = dml.ShardedGradScaler(backend, "cpu", enabled=False)
+    x = torch.ones(2, 4) * (backend.rank + 1)
+    for model, opt in pairs:
+        opt.zero_grad()
+        scaler.scale(model(x, True).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    _same_everywhere(backend, pairs)

@@ -24,8 +24,10 @@ def main(names: list[str]) -> None:
     checks = {
         "equivalence": lambda: hypothesis_check(world, sb.equivalence_body, sb.step_cases(), 25),
         "errors": lambda: (
-            [guarded(sb.errors_body, world, what) for what in ("clip", "scaler", "replaced", "twice")]
-            + [guarded(sb.sharded_errors_body, world, what) for what in ("clip", "scaler", "in_place", "twice")]
+            [guarded(sb.errors_body, world, what) for what in ("clip", "scaler", "replaced", "twice", "lr")]
+            + [guarded(sb.sharded_errors_body, world, what) for what in ("clip", "scaler", "in_place", "twice", "lr")]
+            + [guarded(sb.no_hook_body, world, shard, True) for shard in (False, True)]
+            + [guarded(sb.failing_step_body, world, True)]
             + [guarded(sb.sharded_agreement_body, world, s) for s in ("step_during_backward", "prefetch")]
         ),
     }

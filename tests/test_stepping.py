@@ -24,18 +24,39 @@ def test_stepping_during_backward_is_bit_identical_to_stepping_after(case: sb.St
     dml.LocalBackend.spawn(world, sb.equivalence_body, case)
 
 
-@pytest.mark.parametrize("what", ["clip", "scaler", "replaced", "twice", "closure"])
+@pytest.mark.parametrize("what", ["clip", "scaler", "replaced", "twice", "closure", "lr"])
 @pytest.mark.parametrize("world", [1, 3])
 def test_what_cannot_be_exact_raises_on_every_rank(what: str, world: int) -> None:
     messages = dml.LocalBackend.spawn(world, sb.errors_body, what)
     assert len(messages) == world
 
 
-@pytest.mark.parametrize("what", ["clip", "scaler", "replaced", "in_place", "twice", "closure"])
+@pytest.mark.parametrize("what", ["clip", "scaler", "replaced", "in_place", "twice", "closure", "lr"])
 @pytest.mark.parametrize("world", [1, 3])
 def test_sharded_what_cannot_be_exact_raises_on_every_rank(what: str, world: int) -> None:
     messages = dml.LocalBackend.spawn(world, sb.sharded_errors_body, what)
     assert len(messages) == world
+
+
+@pytest.mark.parametrize(("shard", "overlap"), [(False, False), (False, True), (True, False), (True, True)])
+def test_a_rank_whose_backward_reaches_no_parameter(shard: bool, overlap: bool) -> None:
+    dml.LocalBackend.spawn(2, sb.no_hook_body, shard, overlap, timeout=60)
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_a_round_left_open_by_reentrant_checkpointing_is_completed_by_step(shard: bool) -> None:
+    dml.LocalBackend.spawn(2, sb.reentrant_body, shard, timeout=60)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_step_that_fails_on_one_rank_raises_on_every_rank(world: int, overlap: bool) -> None:
+    messages = dml.LocalBackend.spawn(world, sb.failing_step_body, overlap, timeout=60)
+    assert len(messages) == world
+
+
+def test_a_disabled_sharded_grad_scaler_is_accepted() -> None:
+    dml.LocalBackend.spawn(2, sb.disabled_scaler_body, timeout=60)
 
 
 @pytest.mark.parametrize("setting", ["step_during_backward", "prefetch"])
