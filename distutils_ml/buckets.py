@@ -540,6 +540,18 @@ class BucketMachine(abc.ABC):
             self._round = None
         self._reduced_in_backward()
 
+    def unfinished_round(self) -> bool:
+        """Whether a backward opened a round and raised before its end after sending a bucket (a round not left
+        open by a reentrant backward on purpose): some gradients may be reduced, others not. One that sent nothing
+        is forgotten here: its gradients are whole, and a reduction now covers them."""
+        state = self._round
+        if state is None or state.skip or state.deferred:
+            return False
+        if state.sent == 0:
+            self._reset_round()
+            return False
+        return True
+
     def has_deferred_round(self) -> bool:
         """Whether a round that a reentrant backward left open awaits completion (by :meth:`_reduce_now`)."""
         state = self._round

@@ -67,7 +67,7 @@ from distutils_ml.buckets import (
     order_mismatch,
     ring_array,
 )
-from distutils_ml.collectives import allgather, reduce_scatter
+from distutils_ml.collectives import allgather, allreduce, reduce_scatter
 from distutils_ml.gloo import GlooTransport
 from distutils_ml.objects import exclusive
 from distutils_ml.optimizer_base import DataParallelOptimizer, Phase
@@ -598,12 +598,22 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
                 step_groups(self._inner, members)
         except Exception as e:  # still allgathered below: the other ranks wait for these buckets
             failure = e
-        if unsettled and size > 1:
-            with exclusive(self._backend, "DistributedOptimizer backward"):
-                for k in unsettled:
-                    self._allgather(self._buckets[k])
-        if failure is not None:
-            raise failure
+        if not (unsettled or any(by_bucket[nb][1])) or size == 1:  # nothing stepped here on any rank
+            if failure is not None:
+                raise failure
+            return
+        flag = np.array([0.0 if failure is None else 1.0])
+        with exclusive(self._backend, "DistributedOptimizer backward"):
+            for k in unsettled:
+                self._allgather(self._buckets[k])
+            allreduce(self._backend, flag, ReduceOp.MAX)  # every rank learns of a failure here
+        if flag[0] > 0:
+            raise RuntimeError(
+                "DistributedOptimizer(shard_state=True, step_during_backward=True): stepping the shards of the "
+                f"buckets left to the end of backward raised on some rank{f' (here: {failure})' if failure else ''}; "
+                "the replicas agree, but the step is incomplete: step() refuses it. Mend the cause and restore the "
+                "last checkpoint"
+            ) from failure
 
     def _by_bucket(self) -> list[tuple[list[Piece], list[list[torch.Tensor]]]]:
         """Per bucket, then one last entry for the parameters without elements (rank 0's): this rank's pieces, and
@@ -625,10 +635,14 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
     # -- reduce now ----------------------------------------------------------------------------
 
     def _reduce(self) -> None:
-        """Reduce-scatter every bucket now (gradients accumulated inside no_sync(), or set by hand)."""
+        """Reduce-scatter every bucket now (gradients accumulated inside no_sync(), or set by hand); with
+        ``step_during_backward`` that round steps too (on every rank alike), and ``step()`` then checks that nothing
+        changed the gradients since, as after a backward."""
         self._check_stale()
         self._reduce_now(self._backend)
         self._advance("reduce")
+        if self._stepped_pending:
+            self._seen = [(p, p.grad, -1 if p.grad is None else p.grad._version) for p in self._params]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients: ``.grad`` becomes None (or zeros with ``set_to_none=False``), ready for a backward.
@@ -681,6 +695,15 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         return super().step(closure)
 
     def _step(self, closure: Callable[[], Any] | None) -> Any:
+        if self.unfinished_round() or (self._round is None and self._stepped_here):
+            self._forget_round()  # (stepped here: a round that an error already reset, after buckets were stepped)
+            self._end_step()
+            raise RuntimeError(
+                "DistributedOptimizer(shard_state=True): the last backward() raised part way, after some of its "
+                "buckets were reduce-scattered (and, with step_during_backward, stepped); its gradients are not "
+                "final, so nothing was stepped. Call opt.zero_grad() and go on from a consistent state (the last "
+                "checkpoint)"
+            )
         if self._step_during_backward and (self._stepped_pending or not self._no_sync):
             reduced_now = closure is None and not self._stepped_pending and self._unreduced()
             if reduced_now:  # nothing reduced yet (accumulated in no_sync(), set by hand, a reentrant backward's

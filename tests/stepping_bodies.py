@@ -359,3 +359,97 @@ def disabled_scaler_body(backend: dml.Backend) -> None:
         scaler.step(opt)
         scaler.update()
     _same_everywhere(backend, pairs)
+
+
+class _Boom(torch.autograd.Function):
+    """Raises in backward, after the parameters' gradients (it sits on the input): a backward that fails part way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(0.2)  # the buckets that landed meanwhile were reduced (and stepped)
+        raise ValueError("simulated: a backward that fails part way")
+
+
+def unfinished_backward_body(backend: dml.Backend, shard: bool, during: bool) -> None:
+    """A backward that raises on every rank after its buckets were sent (overlap): ``step()`` refuses (the
+    gradients are half reduced, and stepping again would step twice); after ``zero_grad()`` training goes on."""
+    model = Net((4, 5, 2), 11)
+    opt = dml.DistributedOptimizer(
+        backend, torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=0, overlap=True, shard_state=shard,
+        step_during_backward=during,
+    )  # fmt: skip
+    x = torch.ones(2, 4) * (backend.rank + 1)
+    opt.zero_grad()
+    try:
+        model(_Boom.apply(x.requires_grad_()), True).sum().backward()
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("the backward did not raise")
+    try:
+        opt.step()
+    except RuntimeError as e:
+        assert "raised part way" in str(e), e
+    else:
+        raise AssertionError("step() after a backward that raised part way stepped")
+    opt.zero_grad()
+    model(x.detach(), True).sum().backward()
+    opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = dml.allgather_object(backend, flat.tolist())
+    assert all(r == every[0] for r in every), "replicas differ across ranks"
+
+
+def synchronize_body(backend: dml.Backend) -> None:
+    """Sharded, stepping during backward: a reduction outside backward (``synchronize()`` after ``no_sync()``)
+    steps too, as every rank's round must; a gradient changed after it makes ``step()`` raise."""
+    model = Net((4, 5, 2), 12)
+    opt = dml.DistributedOptimizer(
+        backend, torch.optim.SGD(model.parameters(), lr=0.1), shard_state=True, step_during_backward=True
+    )
+    x = torch.ones(2, 4) * (backend.rank + 1)
+    with opt.no_sync():
+        model(x, True).sum().backward()
+    opt.synchronize()
+    torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+    try:
+        opt.step()
+    except RuntimeError as e:
+        assert "changed in place" in str(e), e
+    else:
+        raise AssertionError("a gradient changed after synchronize() was not noticed")
+
+
+def failing_rest_body(backend: dml.Backend) -> str:
+    """Rank 1 had no gradient for one layer, so that bucket is stepped at the end of backward, and that step raises
+    there: every rank raises (one small allreduce tells them), and ``step()`` refuses everywhere."""
+    dml.ShardedOptimizer.register_elementwise(Flaky)
+    model = Net((48, 5, 2), 13)  # the side layer's 48 weights: a piece on every rank
+    opt = dml.DistributedOptimizer(
+        backend, Flaky(model.parameters(), lr=0.1), bucket_bytes=0, overlap=False, shard_state=True,
+        step_during_backward=True,
+    )  # fmt: skip
+    x = torch.ones(2, 48) * (backend.rank + 1)
+    side = backend.rank != 1
+    original = opt.shard_optimizer.step
+
+    def step_at_the_end(closure: Any = None) -> Any:  # rank 1: fail once the header has landed
+        opt.shard_optimizer.fail = backend.rank == 1 and opt._stepped_pending
+        return original(closure)
+
+    opt.shard_optimizer.step = step_at_the_end
+    try:
+        model(x, side).sum().backward()
+    except (RuntimeError, MemoryError) as e:
+        message = str(e)
+        assert backend.rank == 1 or "raised on some rank" in message, message
+    else:
+        raise AssertionError("a step failing at the end of backward on one rank was not reported on every rank")
+    _refused_after(opt)
+    return message

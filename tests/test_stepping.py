@@ -55,6 +55,21 @@ def test_a_step_that_fails_on_one_rank_raises_on_every_rank(world: int, overlap:
     assert len(messages) == world
 
 
+@pytest.mark.parametrize(("shard", "during"), [(False, False), (False, True), (True, False), (True, True)])
+def test_step_after_a_backward_that_raised_part_way_refuses(shard: bool, during: bool) -> None:
+    dml.LocalBackend.spawn(2, sb.unfinished_backward_body, shard, during, timeout=60)
+
+
+def test_a_sharded_reduction_outside_backward_steps_and_is_checked() -> None:
+    dml.LocalBackend.spawn(2, sb.synchronize_body, timeout=60)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_step_failing_at_the_end_of_backward_raises_on_every_rank(world: int) -> None:
+    messages = dml.LocalBackend.spawn(world, sb.failing_rest_body, timeout=60)
+    assert len(messages) == world
+
+
 def test_a_disabled_sharded_grad_scaler_is_accepted() -> None:
     dml.LocalBackend.spawn(2, sb.disabled_scaler_body, timeout=60)
 
