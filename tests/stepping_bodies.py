@@ -147,18 +147,21 @@ def equivalence_body(backend: dml.Backend, case: StepCase) -> dict[str, Any]:
     return {"stepped_in_backward": stepped_in_backward}
 
 
-def errors_body(backend: dml.Backend, what: str) -> str:
-    """What cannot be exact raises, on every rank alike."""
+def errors_body(backend: dml.Backend, what: str, shard: bool = False) -> str:
+    """What cannot be exact raises, on every rank alike (unsharded, or ``shard_state=True``)."""
     model = Net((4, 6, 2), 7)
     opt = dml.DistributedOptimizer(
-        backend, torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=64, step_during_backward=True
-    )
+        backend, torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=64, shard_state=shard,
+        step_during_backward=True,
+    )  # fmt: skip
     x = torch.ones(2, 4) * (backend.rank + 1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler = dml.ShardedGradScaler(backend, "cpu", init_scale=4.0) if shard else torch.amp.GradScaler("cpu", 4.0)
     loss = model(x, True).sum()
     (scaler.scale(loss) if what == "scaler" else loss).backward()
     try:
-        if what == "clip":
+        if what == "clip" and shard:
+            opt.clip_grad_norm_(0.01)
+        elif what == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
             opt.step()
         elif what == "scaler":
@@ -166,7 +169,13 @@ def errors_body(backend: dml.Backend, what: str) -> str:
         elif what == "replaced":
             model.side.weight.grad = torch.zeros_like(model.side.weight)
             opt.step()
+        elif what == "in_place":
+            model.side.weight.grad.mul_(0.5)
+            opt.step()
         elif what == "twice":
+            if shard:  # cleared by hand, not by zero_grad(), which the sharded buffers ask for first
+                for p in model.parameters():
+                    p.grad = None
             model(x, True).sum().backward()
         elif what == "closure":
             opt.step(lambda: model(x, True).sum())
@@ -175,51 +184,10 @@ def errors_body(backend: dml.Backend, what: str) -> str:
             opt.step()
         else:
             raise AssertionError(what)
-    except RuntimeError as e:
-        assert "step_during_backward=True" in str(e), e
-        if what in ("clip", "replaced"):
-            assert "side.weight" in str(e) or "param_groups" in str(e), e
-        if what == "twice":
-            _refused_after(opt)
-        return str(e)
-    raise AssertionError(f"{what}: not refused")
-
-
-def sharded_errors_body(backend: dml.Backend, what: str) -> str:
-    """``shard_state=True, step_during_backward=True``: what cannot be exact raises, on every rank alike."""
-    model = Net((4, 6, 2), 7)
-    opt = dml.DistributedOptimizer(
-        backend, torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=64, shard_state=True,
-        step_during_backward=True,
-    )  # fmt: skip
-    x = torch.ones(2, 4) * (backend.rank + 1)
-    model(x, True).sum().backward()
-    try:
-        if what == "clip":
-            opt.clip_grad_norm_(0.01)
-        elif what == "scaler":
-            dml.ShardedGradScaler(backend, "cpu").step(opt)
-        elif what == "replaced":
-            model.side.weight.grad = torch.zeros_like(model.side.weight)
-            opt.step()
-        elif what == "in_place":
-            model.side.weight.grad.mul_(0.5)
-            opt.step()
-        elif what == "twice":
-            for p in model.parameters():
-                p.grad = None  # cleared by hand, not by zero_grad(): the next backward must not step again
-            model(x, True).sum().backward()
-        elif what == "closure":
-            opt.step(lambda: model(x, True).sum())
-        elif what == "lr":
-            opt.param_groups[0]["lr"] = 0.5  # after backward: the shards were stepped with 0.1
-            opt.step()
-        else:
-            raise AssertionError(what)
     except (RuntimeError, TypeError) as e:
         assert "step_during_backward=True" in str(e), e
-        if what == "replaced":
-            assert "param_groups[0]['params'][4]" in str(e), e  # side.weight, named by its place
+        if what == "replaced":  # side.weight, by its name (unsharded) or its place (sharded)
+            assert "side.weight" in str(e) or "param_groups[0]['params'][4]" in str(e), e
         if what == "twice":
             _refused_after(opt)
         return str(e)

@@ -24,18 +24,18 @@ def test_stepping_during_backward_is_bit_identical_to_stepping_after(case: sb.St
     dml.LocalBackend.spawn(world, sb.equivalence_body, case)
 
 
-@pytest.mark.parametrize("what", ["clip", "scaler", "replaced", "twice", "closure", "lr"])
-@pytest.mark.parametrize("world", [1, 3])
-def test_what_cannot_be_exact_raises_on_every_rank(what: str, world: int) -> None:
-    messages = dml.LocalBackend.spawn(world, sb.errors_body, what)
-    assert len(messages) == world
-
-
 @pytest.mark.parametrize("what", ["clip", "scaler", "replaced", "in_place", "twice", "closure", "lr"])
 @pytest.mark.parametrize("world", [1, 3])
-def test_sharded_what_cannot_be_exact_raises_on_every_rank(what: str, world: int) -> None:
-    messages = dml.LocalBackend.spawn(world, sb.sharded_errors_body, what)
+@pytest.mark.parametrize("shard", [False, True])
+def test_what_cannot_be_exact_raises_on_every_rank(shard: bool, world: int, what: str) -> None:
+    messages = dml.LocalBackend.spawn(world, sb.errors_body, what, shard)
     assert len(messages) == world
+
+
+@pytest.mark.parametrize("setting", ["step_during_backward", "prefetch"])
+def test_sharded_ranks_that_differ_in_when_the_allgathers_go_are_refused(setting: str) -> None:
+    messages = dml.LocalBackend.spawn(2, sb.sharded_agreement_body, setting)
+    assert len(messages) == 2
 
 
 @pytest.mark.parametrize(("shard", "overlap"), [(False, False), (False, True), (True, False), (True, True)])
@@ -72,12 +72,6 @@ def test_a_step_failing_at_the_end_of_backward_raises_on_every_rank(world: int) 
 
 def test_a_disabled_sharded_grad_scaler_is_accepted() -> None:
     dml.LocalBackend.spawn(2, sb.disabled_scaler_body, timeout=60)
-
-
-@pytest.mark.parametrize("setting", ["step_during_backward", "prefetch"])
-def test_sharded_ranks_that_differ_in_when_the_allgathers_go_are_refused(setting: str) -> None:
-    messages = dml.LocalBackend.spawn(2, sb.sharded_agreement_body, setting)
-    assert len(messages) == 2
 
 
 def test_optimizers_that_couple_parameters_prefetch_and_join_are_refused() -> None:
