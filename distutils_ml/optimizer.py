@@ -438,13 +438,7 @@ class DistributedOptimizer(DataParallelOptimizer):
 
     def _step(self, closure: Callable[[], Any] | None) -> Any:
         if self._reducer.unfinished_round():
-            self._forget_round()
-            self._end_step()
-            raise RuntimeError(
-                "DistributedOptimizer: the last backward() raised part way, after some of its buckets were reduced "
-                "(and, with step_during_backward, stepped); its gradients are not final, so nothing was stepped. Call "
-                "opt.zero_grad() and go on from a consistent state (the last checkpoint)"
-            )
+            self._refuse_unfinished_backward()
         if self._stepper is not None and self._reducer.has_deferred_round():
             self._reduce()  # a reentrant backward left its round open (some buckets perhaps stepped): complete it
         if self._stepper is not None and self._stepper.pending:

@@ -232,6 +232,16 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._advance("step")
         self._passes = 0
 
+    def _refuse_unfinished_backward(self) -> None:
+        """``step()`` after a backward that raised part way, after sending buckets: forget it and raise."""
+        self._forget_round()
+        self._end_step()
+        raise RuntimeError(
+            "DistributedOptimizer: the last backward() raised part way, after some of its buckets were reduced (and, "
+            "with step_during_backward, stepped); its gradients are not final, so nothing was stepped. Call "
+            "opt.zero_grad() and go on from a consistent state (the last checkpoint)"
+        )
+
     def _skip_backward(self) -> bool:
         """Asked at the first gradient of each backward: True leaves this backward's gradients unreduced."""
         if self._phase in (Phase.SYNCHRONIZED, Phase.LATE) and self._late_backward():

@@ -415,7 +415,11 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
 
     def _reduced_in_backward(self) -> None:
         self._backward_reduced()
-        if self._stepped_pending:  # what step() checks: nothing may change the gradients until then
+        self._record_seen()
+
+    def _record_seen(self) -> None:
+        """After a round that stepped (``step_during_backward``): each gradient as it is, which ``step()`` checks."""
+        if self._stepped_pending:
             self._seen = [(p, p.grad, -1 if p.grad is None else p.grad._version) for p in self._params]
 
     def _check_reducing_backward(self) -> None:
@@ -440,8 +444,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         bucket = self._buckets[k]
         if self._step_failure is None and not state.changed and all(state.has[i] for i in bucket.params):
             pieces, members = self._by_bucket()[k]
-            for pc in pieces:
-                pc.tensor.grad = pc.grad
+            self._point_grads(pieces)
             try:
                 if any(members):
                     step_groups(self._inner, members)
@@ -476,7 +479,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
 
         def header() -> None:  # after every bucket's job: what was stepped here is known
             if self._step_during_backward:
-                at = len(self._params) + 1 + 3 * len(self._buckets)
+                at = self._tail_at()
                 stepped = torch.tensor([k in self._stepped_here for k in range(len(self._buckets))], dtype=head.dtype)
                 head[:, at : at + len(self._buckets)] = stepped
                 head[:, -1] = 1.0 if self._step_failure is not None else 0.0
@@ -528,14 +531,19 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
             have = self._scratch[key] = torch.empty(max(largest, numel), dtype=dtype, device=device)
         return have[:numel]
 
+    def _tail_at(self) -> int:
+        """Where the header's tail starts (after a column per parameter, the changed mark and 3 per bucket): per
+        bucket on how many ranks it was stepped during the round, then whether a step raised."""
+        return len(self._params) + 1 + 3 * len(self._buckets)
+
     def _write_head(self, state: Round) -> None:
         """Every row: which parameters have a gradient here, the changed mark, each bucket's ready position."""
         n, nb = len(self._params), len(self._buckets)
-        row = np.zeros(n + 2 + 4 * nb, dtype=np.float64)
+        row = np.zeros(self._head.shape[1], dtype=np.float64)
         for i, p in enumerate(self._params):
             row[i] = 1.0 if (state.has[i] if self._bucket_of[i] >= 0 else p.grad is not None) else 0.0
         row[n] = 1.0 if state.changed else 0.0
-        encode_order(row[n + 1 : n + 1 + 3 * nb].reshape(nb, 3), state.ready_at, state.task, ReduceOp.SUM, None)
+        encode_order(row[n + 1 : self._tail_at()].reshape(nb, 3), state.ready_at, state.task, ReduceOp.SUM, None)
         self._head.copy_(torch.from_numpy(row).expand_as(self._head))
 
     def _finish(self, backend: Backend, state: Round) -> None:
@@ -556,14 +564,13 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
                 "optimizer again after changing the model (or add parameters with its add_param_group), on every rank"
             )
         if state.task >= 0 and nb:
-            differs = order_mismatch(
-                row[n + 1 : n + 1 + 3 * nb].reshape(nb, 3), size, ReduceOp.SUM, None, averaged=False
-            )
+            order = row[n + 1 : self._tail_at()].reshape(nb, 3)
+            differs = order_mismatch(order, size, ReduceOp.SUM, None, averaged=False)
             if differs is not None and differs.any():
                 k = int(np.flatnonzero(differs)[0])
                 raise order_error(self.caller, k, nb, [self._names[i] for i in self._buckets[k].params])
         if self._step_during_backward:
-            self._step_rest(row[n + 1 + 3 * nb :], size)
+            self._step_rest(row[self._tail_at() :], size)
 
     def _step_rest(self, tail: np.ndarray, size: int) -> None:
         """End of a round with ``step_during_backward``: the header's tail says, the same on every rank, on how many
@@ -587,9 +594,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         members: list[list[torch.Tensor]] = [[] for _ in self._inner.param_groups]
         for k in [*(k for k in unsettled if k not in here), nb]:
             pieces, tensors = by_bucket[k]
-            for pc in pieces:
-                grad = self._params[pc.index].grad
-                pc.tensor.grad = grad if pc.grad is None else (pc.grad if grad is not None else None)
+            self._point_grads(pieces)
             for into, ts in zip(members, tensors, strict=True):
                 into.extend(ts)
         failure = None
@@ -614,6 +619,13 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
                 "the replicas agree, but the step is incomplete: step() refuses it. Mend the cause and restore the "
                 "last checkpoint"
             ) from failure
+
+    def _point_grads(self, pieces: list[Piece]) -> None:
+        """Each piece's ``.grad``: its view of the flat gradients, None where its parameter has none (skipped by
+        the step); a parameter outside the buffers (no elements) lends its own."""
+        for pc in pieces:
+            grad = self._params[pc.index].grad
+            pc.tensor.grad = grad if pc.grad is None or grad is None else pc.grad
 
     def _by_bucket(self) -> list[tuple[list[Piece], list[list[torch.Tensor]]]]:
         """Per bucket, then one last entry for the parameters without elements (rank 0's): this rank's pieces, and
@@ -641,8 +653,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         self._check_stale()
         self._reduce_now(self._backend)
         self._advance("reduce")
-        if self._stepped_pending:
-            self._seen = [(p, p.grad, -1 if p.grad is None else p.grad._version) for p in self._params]
+        self._record_seen()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients: ``.grad`` becomes None (or zeros with ``set_to_none=False``), ready for a backward.
@@ -696,14 +707,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
 
     def _step(self, closure: Callable[[], Any] | None) -> Any:
         if self.unfinished_round() or (self._round is None and self._stepped_here):
-            self._forget_round()  # (stepped here: a round that an error already reset, after buckets were stepped)
-            self._end_step()
-            raise RuntimeError(
-                "DistributedOptimizer(shard_state=True): the last backward() raised part way, after some of its "
-                "buckets were reduce-scattered (and, with step_during_backward, stepped); its gradients are not "
-                "final, so nothing was stepped. Call opt.zero_grad() and go on from a consistent state (the last "
-                "checkpoint)"
-            )
+            self._refuse_unfinished_backward()  # (stepped here: a round an error already reset, after some steps)
         if self._step_during_backward and (self._stepped_pending or not self._no_sync):
             reduced_now = closure is None and not self._stepped_pending and self._unreduced()
             if reduced_now:  # nothing reduced yet (accumulated in no_sync(), set by hand, a reentrant backward's
@@ -762,11 +766,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         for p, view in self._view_pairs():
             if view is not None and p.grad is not None and not _is_view(p.grad, view):
                 self._adopt(p)  # a gradient set by hand after the reduction: this rank's own values
-        for pc in self._pieces:
-            if pc.grad is not None:
-                pc.tensor.grad = pc.grad if self._params[pc.index].grad is not None else None
-            else:
-                pc.tensor.grad = self._params[pc.index].grad
+        self._point_grads(self._pieces)
         self._sync_hyper()
         if self._backend.size == 1:
             self._inner.step()

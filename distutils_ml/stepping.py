@@ -141,7 +141,7 @@ def same_hyper_parameters(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> b
             v = y[k]
             if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
                 same = isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor) and u.shape == v.shape
-                if not (same and torch.equal(u.cpu(), v.cpu())):
+                if not (same and u.device == v.device and torch.equal(u, v)):  # compared where they are
                     return False
                 continue
             try:

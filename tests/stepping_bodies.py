@@ -137,9 +137,7 @@ def equivalence_body(backend: dml.Backend, case: StepCase) -> dict[str, Any]:
         assert sorted(a) == sorted(b), (index, sorted(a), sorted(b))
         for key in a:
             assert torch.equal(torch.as_tensor(a[key]), torch.as_tensor(b[key])), (index, key)
-    flat = torch.cat([p.detach().reshape(-1) for p in models[1].parameters()])
-    every = dml.allgather_object(backend, flat.tolist())
-    assert all(r == every[0] for r in every), "replicas differ across ranks"
+    _agree_across_ranks(backend, models[1], "")
     trained = sum(1 for p in models[1].parameters() if p.requires_grad)
     if case.unused == "" or (case.unused == "odd" and backend.size == 1):
         # Every gradient was final where its bucket landed: every parameter stepped during backward.
@@ -210,14 +208,21 @@ def sharded_agreement_body(backend: dml.Backend, setting: str) -> str:
     raise AssertionError(f"ranks with and without {setting} were not refused")
 
 
-def _refused_after(opt: dml.DistributedOptimizer) -> None:
-    """After a refused second backward, ``step()`` refuses too (it would step the stray gradients again)."""
+def _refused_after(opt: dml.DistributedOptimizer, says: str = "step_during_backward=True", after: str = "") -> None:
+    """``step()`` refuses (after a refused second backward it would step the stray gradients again)."""
     try:
         opt.step()
     except RuntimeError as e:
-        assert "step_during_backward=True" in str(e), e
+        assert says in str(e), e
     else:
-        raise AssertionError("step() after a refused second backward stepped again")
+        raise AssertionError(f"step() after {after or 'a refused second backward'} stepped")
+
+
+def _agree_across_ranks(backend: dml.Backend, model: torch.nn.Module, when: str) -> None:
+    """Every rank holds the same parameters."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = dml.allgather_object(backend, flat.tolist())
+    assert all(r == every[0] for r in every), f"replicas differ across ranks{when}"
 
 
 def _replicas(backend: dml.Backend, model: torch.nn.Module, shard: bool, overlap: bool, **kw: Any) -> list[Any]:
@@ -237,9 +242,7 @@ def _same_everywhere(backend: dml.Backend, pairs: list[Any]) -> None:
     (a, _), (b, _) = pairs
     for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q), f"{name}: step_during_backward differs by {(p - q).abs().max().item()}"
-    flat = torch.cat([p.detach().reshape(-1) for p in b.parameters()])
-    every = dml.allgather_object(backend, flat.tolist())
-    assert all(r == every[0] for r in every), "replicas differ across ranks"
+    _agree_across_ranks(backend, b, "")
 
 
 def no_hook_body(backend: dml.Backend, shard: bool, overlap: bool) -> None:
@@ -303,16 +306,12 @@ def failing_step_body(backend: dml.Backend, overlap: bool) -> str:
     else:
         raise AssertionError("a failing step on one rank was not reported on every rank")
     _refused_after(opt)
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    every = dml.allgather_object(backend, flat.tolist())
-    assert all(r == every[0] for r in every), "replicas differ across ranks after the failure"
+    _agree_across_ranks(backend, model, " after the failure")
     opt.shard_optimizer.fail = False
     opt.zero_grad()
     model(x, True).sum().backward()
     opt.step()
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    every = dml.allgather_object(backend, flat.tolist())
-    assert all(r == every[0] for r in every), "replicas differ across ranks after training on"
+    _agree_across_ranks(backend, model, " after training on")
     return message
 
 
@@ -360,18 +359,11 @@ def unfinished_backward_body(backend: dml.Backend, shard: bool, during: bool) ->
         pass
     else:
         raise AssertionError("the backward did not raise")
-    try:
-        opt.step()
-    except RuntimeError as e:
-        assert "raised part way" in str(e), e
-    else:
-        raise AssertionError("step() after a backward that raised part way stepped")
+    _refused_after(opt, "raised part way", "a backward that raised part way")
     opt.zero_grad()
     model(x.detach(), True).sum().backward()
     opt.step()
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    every = dml.allgather_object(backend, flat.tolist())
-    assert all(r == every[0] for r in every), "replicas differ across ranks"
+    _agree_across_ranks(backend, model, "")
 
 
 def synchronize_body(backend: dml.Backend) -> None:
