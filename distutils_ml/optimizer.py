@@ -377,8 +377,11 @@ class DistributedOptimizer(DataParallelOptimizer):
         self._advance("late_backward")
         return True
 
+    def _stepped_in_backward(self) -> bool:
+        return self._stepper is not None and self._stepper.pending
+
     def _check_reducing_backward(self) -> None:
-        if self._stepper is not None and self._stepper.pending:  # kept: step() then refuses (zero_grad() forgets)
+        if self._stepped_in_backward():  # kept: step() then refuses (zero_grad() forgets)
             raise RuntimeError(
                 "DistributedOptimizer(step_during_backward=True): a second reducing backward() before step(); the "
                 "first one already stepped the parameters of its buckets, and this one would step them again. Call "

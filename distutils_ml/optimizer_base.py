@@ -293,8 +293,28 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load into the wrapped optimizer."""
+        """Load into the wrapped optimizer.
+
+        Raises:
+            RuntimeError: with ``step_during_backward``, between a ``backward()`` that stepped and ``step()``.
+        """
+        self._refuse_load_after_stepping()
         self.optimizer.load_state_dict(state_dict)
+
+    def _stepped_in_backward(self) -> bool:
+        """Whether the last backward stepped parameters (``step_during_backward``) that ``step()`` has not ended."""
+        return False
+
+    def _refuse_load_after_stepping(self) -> None:
+        """``load_state_dict()`` between a backward that stepped and ``step()``: the loaded state would replace the
+        state those steps produced, and ``step()`` would not step again. Nothing is loaded."""
+        if self._stepped_in_backward():
+            raise RuntimeError(
+                "DistributedOptimizer(step_during_backward=True): load_state_dict() after a backward() that already "
+                "stepped the parameters, before step(); the loaded state would replace what those steps produced "
+                "and would not be used for them. Nothing was loaded. Load the state before backward() (after "
+                "opt.zero_grad()) or after opt.step()"
+            )
 
     def register_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> Any:
         """Register on the wrapped optimizer, whose ``state_dict`` this one returns."""

@@ -422,8 +422,11 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         if self._stepped_pending:
             self._seen = [(p, p.grad, -1 if p.grad is None else p.grad._version) for p in self._params]
 
+    def _stepped_in_backward(self) -> bool:
+        return self._stepped_pending
+
     def _check_reducing_backward(self) -> None:
-        if self._stepped_pending:  # kept: step() then refuses too (zero_grad() forgets)
+        if self._stepped_in_backward():  # kept: step() then refuses too (zero_grad() forgets)
             raise RuntimeError(
                 "DistributedOptimizer(shard_state=True, step_during_backward=True): a second reducing backward() "
                 "before step(); the first one already stepped the shards of its buckets, and this one would step "
@@ -906,6 +909,8 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
                 on one rank only).
             ValueError: it has no ``"state"`` or ``"param_groups"``, or its parameter groups differ in
                 number or size from this optimizer's. Nothing is changed.
+            RuntimeError: with ``step_during_backward``, between a ``backward()`` that stepped and
+                ``step()``. Nothing is changed.
 
         Example:
             >>> model = torch.nn.Linear(4, 1)
@@ -914,6 +919,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
             >>> opt.step()
             >>> opt.load_state_dict(opt.state_dict(to=None))  # every rank keeps its slices of the full state
         """
+        self._refuse_load_after_stepping()
         self.wait_for_parameters()
         self._load_full(state_dict)
 

@@ -245,6 +245,35 @@ def _same_everywhere(backend: dml.Backend, pairs: list[Any]) -> None:
     _agree_across_ranks(backend, b, "")
 
 
+def load_between_body(backend: dml.Backend, shard: bool, overlap: bool) -> str:
+    """``load_state_dict()`` between a backward that stepped and ``step()`` would replace the state those steps made
+    (silently: the loaded momentum was never used): refused, nothing loaded; ``step()`` then ends the step as if the
+    call had not been made, and after it the same state loads."""
+    pairs = _replicas(backend, Net((4, 6, 2), 5), shard, overlap)
+    x = torch.ones(2, 4) * (backend.rank + 1)
+    saved = []
+    for model, opt in pairs:  # a first step makes momentum buffers to save
+        model(x, True).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        saved.append(opt.state_dict(to=None) if shard else opt.state_dict())
+    for model, _ in pairs:
+        model(x * 2, True).sum().backward()
+    opt, message = pairs[1][1], None
+    try:
+        opt.load_state_dict(saved[1])
+    except RuntimeError as e:
+        assert "load_state_dict()" in str(e) and "Nothing was loaded" in str(e), e
+        message = str(e)
+    assert message is not None, "load_state_dict() between a backward that stepped and step(): not refused"
+    for _, o in pairs:
+        o.step()
+    _same_everywhere(backend, pairs)
+    for _, o in pairs:  # after step() it loads, in either form
+        o.load_state_dict(saved[0])
+    return message
+
+
 def no_hook_body(backend: dml.Backend, shard: bool, overlap: bool) -> None:
     """Ranks other than 0 run a backward that reaches no parameter (a loss of the input only): their step() reduces
     now, and must run the collectives the other ranks' backward ran."""

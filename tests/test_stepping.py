@@ -32,6 +32,13 @@ def test_what_cannot_be_exact_raises_on_every_rank(shard: bool, world: int, what
     assert len(messages) == world
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("shard", [False, True])
+def test_loading_a_state_between_a_stepping_backward_and_step_is_refused(shard: bool, overlap: bool) -> None:
+    messages = dml.LocalBackend.spawn(3, sb.load_between_body, shard, overlap)
+    assert len(messages) == 3
+
+
 @pytest.mark.parametrize("setting", ["step_during_backward", "prefetch"])
 def test_sharded_ranks_that_differ_in_when_the_allgathers_go_are_refused(setting: str) -> None:
     messages = dml.LocalBackend.spawn(2, sb.sharded_agreement_body, setting)
