@@ -57,10 +57,13 @@ def probe(c: cluster.Cluster) -> dict[str, Any]:
         return delayline.client(c.namespaces[0], c.addresses[1], pings=300, mib=64)
 
 
-def mpi_job(c: cluster.Cluster, script: str, args: list[str], json_path: Path, timeout: float) -> dict[str, Any]:
-    """Run ``script`` on 2 ranks, one per node, with gloo on the link too; its JSON."""
+def mpi_job(
+    c: cluster.Cluster, script: str, args: list[str], json_path: Path, timeout: float, *, thp: str = "1"
+) -> dict[str, Any]:
+    """Run ``script`` on 2 ranks, one per node, with gloo on the link too; its JSON. ``thp``: the ranks'
+    ``THP_MEM_ALLOC_ENABLE`` (``distutils-ml launch`` gives 1)."""
     argv = [*c.mpiexec_argv(2), "-x", f"PYTHONPATH={ROOT / 'tests'}", "-x", f"MASTER_ADDR={c.addresses[0]}"]
-    argv += ["-x", "GLOO_SOCKET_IFNAME=eth0", "-x", "OMP_NUM_THREADS=1", "-x", "THP_MEM_ALLOC_ENABLE=1"]
+    argv += ["-x", "GLOO_SOCKET_IFNAME=eth0", "-x", "OMP_NUM_THREADS=1", "-x", f"THP_MEM_ALLOC_ENABLE={thp}"]
     # One core per node, core k for node k: each node's mpiexec daemon would bind its rank to core 0,
     # putting both "nodes" on one core of this machine.
     command = shlex.join([PYTHON, str(ROOT / "benchmarks" / script), *args, "--json", str(json_path)])
@@ -192,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-dir", default="benchmarks/results", help="where each job's JSON goes")
     ap.add_argument("--timeline", action="store_true", help="also benchmarks/timeline.py (5 forms)")
     ap.add_argument("--tag", default="", help="appended to the result files' names (-TAG)")
+    ap.add_argument(
+        "--thp", choices=["0", "1"], default="1",
+        help="the ranks' THP_MEM_ALLOC_ENABLE (default 1, as distutils-ml launch sets it; 0: torch's default)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     reason = cluster.unavailable() or delayline.missing_requirements(need_tc=True)
     if reason:
@@ -210,12 +217,12 @@ def main(argv: list[str] | None = None) -> int:
             alone = probe(c)
             print(f"## {label}: the link alone: {_probe_text(alone)}", flush=True)
             ar = mpi_job(c, "allreduce.py", ["--sizes", args.sizes, "--reps", str(args.reps)],
-                         out / f"network-allreduce-{tag}.json", timeout=900)  # fmt: skip
+                         out / f"network-allreduce-{tag}.json", timeout=900, thp=args.thp)  # fmt: skip
             st = None if args.no_steps else mpi_job(
                 c, "ddp.py", ["--models", args.models, "--steps", str(args.steps), "--warmup", "2",
                               "--batch", str(args.batch), "--opt", args.opt, "--only", args.only,
                               *(["--dml-buckets", args.dml_buckets] if args.dml_buckets else [])],
-                out / f"network-ddp-{tag}.json", timeout=900,
+                out / f"network-ddp-{tag}.json", timeout=900, thp=args.thp,
             )  # fmt: skip
             lines = []
             sdb = "--step-during-backward"
@@ -224,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                 suffix = "".join(e.replace("--", "-") for e in extra)
                 res = mpi_job(
                     c, "timeline.py", ["--models", args.models, "--batch", str(args.batch), "--opt", args.opt, *extra],
-                    out / f"network-timeline-{tag}{suffix}.json", timeout=900,
+                    out / f"network-timeline-{tag}{suffix}.json", timeout=900, thp=args.thp,
                 )  # fmt: skip
                 lines += [timeline.describe(r) for r in res["results"]]
         tables += [f"### {label}\n\nThe link alone: {_probe_text(alone)}.", allreduce_table(label, rate, ar)]

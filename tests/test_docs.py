@@ -721,6 +721,10 @@ def _step_expected(column: str, r: dict, comm: float | None) -> list[tuple[float
         "dml_shard / dml": [(shard / dml if shard and dml else None, "")],
         "dml_shard_sdb / dml": [(shard_sdb / dml if shard_sdb and dml else None, "")],
         "dml_shard_sdb / dml_shard": [(shard_sdb / shard if shard_sdb and shard else None, "")],
+        "dml_shard_sdb / dml_sdb": [(shard_sdb / sdb if shard_sdb and sdb else None, "")],
+        "dml_shard_sdb / max(compute, comm)": [
+            (shard_sdb / max(comp, comm) if comm and shard_sdb and comp else None, "")
+        ],
     }
     if col.startswith("state per rank"):
         return [(cs[k]["state_bytes_max_rank"] / 2**20, "MiB") for k in ("dml", "dml_shard", "zero_gloo")]
