@@ -39,9 +39,9 @@ def job(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
     from ddp import MODELS, build_model
+    from timeline import instrument
 
     import distutils_ml as dml
-    from distutils_ml.gloo import GlooTransport
 
     torch.set_num_threads(1)
     dml.initialize(dml.MPIBackend)
@@ -49,17 +49,7 @@ def job(args: argparse.Namespace) -> None:
     widths = MODELS["mlp25m"]
     marks: list[tuple[str, float, tuple[float, float, int]]] = []
     calls: list[tuple[str, int, float, float]] = []
-    for kind in ("allreduce", "reduce_scatter", "allgather"):
-        original = getattr(GlooTransport, kind)
-
-        def timed(self: Any, *a: Any, _original: Any = original, _kind: str = kind) -> None:
-            start = time.perf_counter()
-            try:
-                _original(self, *a)
-            finally:
-                calls.append((_kind, int(a[0].nbytes), start, time.perf_counter()))
-
-        setattr(GlooTransport, kind, timed)
+    instrument(calls)  # every transport call: (kind, bytes, start, end)
 
     def make(shard: bool) -> tuple[torch.nn.Module, dml.DistributedOptimizer]:
         torch.manual_seed(0)

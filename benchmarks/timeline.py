@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ddp import MODELS, build_model  # benchmarks/ddp.py: the same models
 
 
-def _instrument(calls: list[tuple[str, int, float, float]]) -> None:
+def instrument(calls: list[tuple[str, int, float, float]]) -> None:
     """Record every transport call (kind, bytes, start, end) into ``calls``."""
     from distutils_ml.gloo import GlooTransport
 
@@ -71,7 +71,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     y = torch.randint(0, widths[-1], (args.batch,), generator=gen)
     loss_fn = torch.nn.CrossEntropyLoss()
     calls: list[tuple[str, int, float, float]] = []
-    _instrument(calls)
+    instrument(calls)
     ring = transport_for(backend)
     steps, compute, comm = [], [], []
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
