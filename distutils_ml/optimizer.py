@@ -343,7 +343,8 @@ class DistributedOptimizer(DataParallelOptimizer):
     def _backward_reduced(self) -> None:
         super()._backward_reduced()
         if self._stepper is not None:
-            self._stepper.record()
+            self._stepper.record()  # re-raises a bucket's failed step
+            self._stepped_round = True  # on every rank whose backward reduced, whatever it stepped here
 
     def prepare(self) -> None:
         """Build the gradient buckets now and compare the configuration across ranks (a collective on every rank;
@@ -377,11 +378,8 @@ class DistributedOptimizer(DataParallelOptimizer):
         self._advance("late_backward")
         return True
 
-    def _stepped_in_backward(self) -> bool:
-        return self._stepper is not None and self._stepper.pending
-
     def _check_reducing_backward(self) -> None:
-        if self._stepped_in_backward():  # kept: step() then refuses (zero_grad() forgets)
+        if self._stepper is not None and self._stepper.pending:  # kept: step() then refuses (zero_grad() forgets)
             raise RuntimeError(
                 "DistributedOptimizer(step_during_backward=True): a second reducing backward() before step(); the "
                 "first one already stepped the parameters of its buckets, and this one would step them again. Call "

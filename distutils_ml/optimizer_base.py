@@ -160,6 +160,9 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._passes_per_step = backward_passes_per_step
         self._passes = 0  # backward passes of this step that reached the pass count
         self._phase = Phase.CLEAN
+        # a round that stepped parameters (step_during_backward) ended well, and step() has not run since:
+        # load_state_dict() refuses (the same on every rank that reduced, whatever each stepped itself)
+        self._stepped_round = False
         self._no_sync = False
         # Hook tables of torch.optim.Optimizer, so register_step_pre_hook / register_step_post_hook
         # work on the wrapper (its state_dict hooks are forwarded to the wrapped optimizer, below).
@@ -296,19 +299,17 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """Load into the wrapped optimizer.
 
         Raises:
-            RuntimeError: with ``step_during_backward``, between a ``backward()`` that stepped and ``step()``.
+            RuntimeError: with ``step_during_backward``, between a ``backward()`` whose reduction ended well (its
+                buckets stepped, on this rank or others) and ``step()``; nothing is loaded. After a backward whose
+                step raised, it loads (a checkpoint's restore).
         """
         self._refuse_load_after_stepping()
         self.optimizer.load_state_dict(state_dict)
 
-    def _stepped_in_backward(self) -> bool:
-        """Whether the last backward stepped parameters (``step_during_backward``) that ``step()`` has not ended."""
-        return False
-
     def _refuse_load_after_stepping(self) -> None:
         """``load_state_dict()`` between a backward that stepped and ``step()``: the loaded state would replace the
         state those steps produced, and ``step()`` would not step again. Nothing is loaded."""
-        if self._stepped_in_backward():
+        if self._stepped_round:
             raise RuntimeError(
                 "DistributedOptimizer(step_during_backward=True): load_state_dict() after a backward() that already "
                 "stepped the parameters, before step(); the loaded state would replace what those steps produced "
@@ -355,6 +356,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (the wrapped optimizer's ``zero_grad``); the next step begins."""
+        self._stepped_round = False
         self._end_step()
         self._forget_round()
         self._clear_grads(set_to_none)
@@ -397,7 +399,10 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """Step the wrapped optimizer on the reduced gradients (between the step hooks)."""
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
-        result = self._step(closure)
+        try:
+            result = self._step(closure)
+        finally:  # ended, or refused: the stepped round is step()'s to judge, and a checkpoint may be loaded
+            self._stepped_round = False
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return result

@@ -422,11 +422,8 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         if self._stepped_pending:
             self._seen = [(p, p.grad, -1 if p.grad is None else p.grad._version) for p in self._params]
 
-    def _stepped_in_backward(self) -> bool:
-        return self._stepped_pending
-
     def _check_reducing_backward(self) -> None:
-        if self._stepped_in_backward():  # kept: step() then refuses too (zero_grad() forgets)
+        if self._stepped_pending:  # kept: step() then refuses too (zero_grad() forgets)
             raise RuntimeError(
                 "DistributedOptimizer(shard_state=True, step_during_backward=True): a second reducing backward() "
                 "before step(); the first one already stepped the shards of its buckets, and this one would step "
@@ -574,6 +571,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
                 raise order_error(self.caller, k, nb, [self._names[i] for i in self._buckets[k].params])
         if self._step_during_backward:
             self._step_rest(row[self._tail_at() :], size)
+            self._stepped_round = True  # the round ended well, on every rank alike (its header says so)
 
     def _step_rest(self, tail: np.ndarray, size: int) -> None:
         """End of a round with ``step_during_backward``: the header's tail says, the same on every rank, on how many
@@ -909,8 +907,9 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
                 on one rank only).
             ValueError: it has no ``"state"`` or ``"param_groups"``, or its parameter groups differ in
                 number or size from this optimizer's. Nothing is changed.
-            RuntimeError: with ``step_during_backward``, between a ``backward()`` that stepped and
-                ``step()``. Nothing is changed.
+            RuntimeError: with ``step_during_backward``, between a ``backward()`` whose round ended well
+                (it stepped the shards) and ``step()``. Nothing is changed. After a round whose step raised,
+                it loads (a checkpoint's restore).
 
         Example:
             >>> model = torch.nn.Linear(4, 1)

@@ -225,14 +225,16 @@ def _agree_across_ranks(backend: dml.Backend, model: torch.nn.Module, when: str)
     assert all(r == every[0] for r in every), f"replicas differ across ranks{when}"
 
 
-def _replicas(backend: dml.Backend, model: torch.nn.Module, shard: bool, overlap: bool, **kw: Any) -> list[Any]:
+def _replicas(
+    backend: dml.Backend, model: torch.nn.Module, shard: bool, overlap: bool, bucket_bytes: int = 0, **kw: Any
+) -> list[Any]:
     """(model, optimizer) twice, the second with step_during_backward."""
     out = []
     for during in (False, True):
         m = copy.deepcopy(model)
         opt = dml.DistributedOptimizer(
-            backend, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01), bucket_bytes=0,
-            overlap=overlap, shard_state=shard, step_during_backward=during, **kw,
+            backend, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
+            bucket_bytes=bucket_bytes, overlap=overlap, shard_state=shard, step_during_backward=during, **kw,
         )  # fmt: skip
         out.append((m, opt))
     return out
@@ -245,12 +247,15 @@ def _same_everywhere(backend: dml.Backend, pairs: list[Any]) -> None:
     _agree_across_ranks(backend, b, "")
 
 
-def load_between_body(backend: dml.Backend, shard: bool, overlap: bool) -> str:
+def load_between_body(backend: dml.Backend, shard: bool, overlap: bool, side_everywhere: bool = True) -> str:
     """``load_state_dict()`` between a backward that stepped and ``step()`` would replace the state those steps made
     (silently: the loaded momentum was never used): refused, nothing loaded; ``step()`` then ends the step as if the
-    call had not been made, and after it the same state loads."""
-    pairs = _replicas(backend, Net((4, 6, 2), 5), shard, overlap)
+    call had not been made, and after it the same state loads. Refused on every rank alike, also where this rank
+    stepped nothing (``side_everywhere=False``: rank 0 alone has the side layer's gradient, and all the parameters
+    share one bucket, which only rank 0 can step as it lands)."""
+    pairs = _replicas(backend, Net((4, 6, 2), 5), shard, overlap, bucket_bytes=0 if side_everywhere else 1 << 20)
     x = torch.ones(2, 4) * (backend.rank + 1)
+    side = side_everywhere or backend.rank == 0
     saved = []
     for model, opt in pairs:  # a first step makes momentum buffers to save
         model(x, True).sum().backward()
@@ -258,7 +263,7 @@ def load_between_body(backend: dml.Backend, shard: bool, overlap: bool) -> str:
         opt.zero_grad()
         saved.append(opt.state_dict(to=None) if shard else opt.state_dict())
     for model, _ in pairs:
-        model(x * 2, True).sum().backward()
+        model(x * 2, side).sum().backward()
     opt, message = pairs[1][1], None
     try:
         opt.load_state_dict(saved[1])
@@ -272,6 +277,37 @@ def load_between_body(backend: dml.Backend, shard: bool, overlap: bool) -> str:
     for _, o in pairs:  # after step() it loads, in either form
         o.load_state_dict(saved[0])
     return message
+
+
+def load_after_failed_round_body(backend: dml.Backend, shard: bool) -> None:
+    """A backward whose step raised ends no stepped round: restoring the last checkpoint, as its error says, loads
+    (step() refuses that round anyway); after zero_grad() training goes on, the replicas in agreement."""
+    dml.ShardedOptimizer.register_elementwise(Flaky)
+    model = Net((4, 5, 2), 9)
+    opt = dml.DistributedOptimizer(
+        backend, Flaky(model.parameters(), lr=0.1, momentum=0.9), bucket_bytes=0, shard_state=shard,
+        step_during_backward=True,
+    )  # fmt: skip
+    x = torch.ones(2, 4) * (backend.rank + 1)
+    model(x, True).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    checkpoint = (copy.deepcopy(model.state_dict()), opt.state_dict(to=None) if shard else opt.state_dict())
+    inner = opt.shard_optimizer if shard else opt.optimizer
+    inner.fail = backend.rank == 1 or backend.size == 1 or not shard  # unsharded: fails everywhere, alike
+    try:
+        model(x * 2, True).sum().backward()
+    except (RuntimeError, MemoryError):
+        pass
+    else:
+        raise AssertionError("the failing step was not reported")
+    inner.fail = False
+    model.load_state_dict(checkpoint[0])
+    opt.load_state_dict(checkpoint[1])  # the restore: refused before
+    opt.zero_grad()
+    model(x, True).sum().backward()
+    opt.step()
+    _agree_across_ranks(backend, model, " after the restore")
 
 
 def no_hook_body(backend: dml.Backend, shard: bool, overlap: bool) -> None:

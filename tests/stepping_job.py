@@ -27,7 +27,12 @@ def main(names: list[str]) -> None:
             [guarded(sb.errors_body, world, what) for what in ("clip", "scaler", "replaced", "twice", "lr")]
             + [guarded(sb.errors_body, world, what, True) for what in ("clip", "scaler", "in_place", "twice", "lr")]
             + [guarded(sb.no_hook_body, world, shard, True) for shard in (False, True)]
-            + [guarded(sb.load_between_body, world, shard, True) for shard in (False, True)]
+            + [
+                guarded(sb.load_between_body, world, shard, True, side)
+                for shard in (False, True)
+                for side in (True, False)
+            ]
+            + [guarded(sb.load_after_failed_round_body, world, shard) for shard in (False, True)]
             + [guarded(sb.failing_step_body, world, True), guarded(sb.failing_rest_body, world)]
             + [guarded(sb.unfinished_backward_body, world, True, True), guarded(sb.synchronize_body, world)]
             + [guarded(sb.sharded_agreement_body, world, s) for s in ("step_during_backward", "prefetch")]

@@ -136,7 +136,7 @@ def _assert_every_rank_dumped(output: str, ranks: int) -> None:
     assert len(re.findall(r"line \d+ in wait_for_the_others\b", output)) == ranks - 1, output[-4000:]
 
 
-TIMEOUT_S = 35  # pytest's timeout of the hang tests: their jobs get TIMEOUT_S - MARGIN_S to start and hang
+TIMEOUT_S = 29  # pytest's timeout of the hang tests: their jobs get TIMEOUT_S - MARGIN_S to start and hang
 
 
 @requires_mpi

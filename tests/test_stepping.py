@@ -35,8 +35,14 @@ def test_what_cannot_be_exact_raises_on_every_rank(shard: bool, world: int, what
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("shard", [False, True])
 def test_loading_a_state_between_a_stepping_backward_and_step_is_refused(shard: bool, overlap: bool) -> None:
-    messages = dml.LocalBackend.spawn(3, sb.load_between_body, shard, overlap)
-    assert len(messages) == 3
+    for side_everywhere in (True, False):
+        messages = dml.LocalBackend.spawn(3, sb.load_between_body, shard, overlap, side_everywhere)
+        assert len(messages) == 3
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_a_checkpoint_loads_after_a_backward_whose_step_raised(shard: bool) -> None:
+    dml.LocalBackend.spawn(3, sb.load_after_failed_round_body, shard)
 
 
 @pytest.mark.parametrize("setting", ["step_during_backward", "prefetch"])
