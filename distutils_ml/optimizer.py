@@ -344,7 +344,9 @@ class DistributedOptimizer(DataParallelOptimizer):
         super()._backward_reduced()
         if self._stepper is not None:
             self._stepper.record()  # re-raises a bucket's failed step
-            self._stepped_round = True  # on every rank whose backward reduced, whatever it stepped here
+            # on every rank whose backward reduced, whatever it stepped here; not while rescaled (dml.join: the
+            # buckets are left to step(), the same on every rank)
+            self._stepped_round = self._reducer.scale == 1.0
 
     def prepare(self) -> None:
         """Build the gradient buckets now and compare the configuration across ranks (a collective on every rank;

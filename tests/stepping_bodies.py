@@ -279,6 +279,24 @@ def load_between_body(backend: dml.Backend, shard: bool, overlap: bool, side_eve
     return message
 
 
+def load_while_rescaled_body(backend: dml.Backend) -> None:
+    """Unsharded, while the gradients are rescaled (``average_over``, as ``dml.join`` does) no bucket is stepped during
+    backward, so ``load_state_dict()`` before ``step()`` loads and ``step()`` steps with the loaded state, as torch's
+    optimizer does: the same as without ``step_during_backward``."""
+    pairs = _replicas(backend, Net((4, 6, 2), 5), False, False)
+    x = torch.ones(2, 4) * (backend.rank + 1)
+    for model, opt in pairs:
+        model(x, True).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        saved = opt.state_dict()
+        opt.average_over(max(1, backend.size - 1))
+        model(x * 2, True).sum().backward()
+        opt.load_state_dict(saved)
+        opt.step()
+    _same_everywhere(backend, pairs)
+
+
 def load_after_failed_round_body(backend: dml.Backend, shard: bool) -> None:
     """A backward whose step raised ends no stepped round: restoring the last checkpoint, as its error says, loads
     (step() refuses that round anyway); after zero_grad() training goes on, the replicas in agreement."""

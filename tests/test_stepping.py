@@ -40,6 +40,10 @@ def test_loading_a_state_between_a_stepping_backward_and_step_is_refused(shard: 
         assert len(messages) == 3
 
 
+def test_a_state_loads_before_step_while_the_gradients_are_rescaled() -> None:
+    dml.LocalBackend.spawn(3, sb.load_while_rescaled_body)
+
+
 @pytest.mark.parametrize("shard", [False, True])
 def test_a_checkpoint_loads_after_a_backward_whose_step_raised(shard: bool) -> None:
     dml.LocalBackend.spawn(3, sb.load_after_failed_round_body, shard)
