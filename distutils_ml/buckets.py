@@ -10,11 +10,12 @@ last bucket (:meth:`BucketMachine._close`) and what they do when a round lands
 Layout (:func:`cut_buckets`). Buckets follow the parameters in reverse order (roughly the order
 backward produces their gradients), fixed when the layout is built and identical on every rank,
 and are always sent in that order. A gradient of at least ``bucket_bytes`` is a bucket of its own;
-smaller ones share buckets of about ``bucket_bytes``. The two forms cut by one rule with three
-stated differences (:class:`CutRule`): the reducer's first bucket per wire dtype is capped at
-``FIRST_BUCKET_BYTES`` and its buckets are grouped by wire dtype; the sharded form's buckets are
-ranges of flat buffers of the parameters' dtype, which fix its shard ownership and its checkpoints,
-so they are grouped by parameter dtype, uncapped, and zero-element parameters have no place.
+smaller ones share buckets of about ``bucket_bytes``, except the first of each group, capped at
+``FIRST_BUCKET_BYTES`` (DDP's small first bucket: the link starts early in backward). The two forms
+cut by one rule with two stated differences (:class:`CutRule`): the reducer's buckets are grouped by
+wire dtype; the sharded form's buckets are ranges of flat buffers of the parameters' dtype, which fix
+its shard ownership (not its checkpoints, which hold the full state per parameter), so they are
+grouped by parameter dtype, and zero-element parameters have no place.
 
 Rounds. During backward (post-accumulate-grad hooks) a bucket is ready once all its gradients
 have been accumulated, and it is sent as soon as every bucket before it has gone; the autograd
@@ -75,7 +76,7 @@ DEFAULT_BUCKET_BYTES = 256 * 1024
 #: of host time (an NCCL call, events, a stream switch) and a GPU step a few milliseconds, so the
 #: host's 256 KiB buckets (36 layers: 19 collectives) cost as much as the step (measured on an H200).
 DEVICE_BUCKET_BYTES = 25 << 20
-#: The first flat bucket's size when ``bucket_bytes`` is larger (``CutRule.first_capped``).
+#: The first bucket's size per group when ``bucket_bytes`` is larger.
 FIRST_BUCKET_BYTES = 1 << 20
 NETWORK_BUCKET_BYTES = 4 << 20
 #: The dtypes of the buckets the gloo transport carries.
@@ -203,16 +204,14 @@ def is_slice(grad: torch.Tensor, flat: torch.Tensor) -> bool:
 class CutRule:
     """Where the two layouts differ (the module's docstring says why)."""
 
-    #: the first bucket of each group holds at most ``FIRST_BUCKET_BYTES`` (DDP's small first bucket)
-    first_capped: bool
     #: group by wire dtype (True: a bucket is sent as it lies) or by parameter dtype (a flat buffer of parameters)
     by_wire: bool
     #: zero-element parameters take a place in a bucket
     keep_empty: bool
 
 
-REDUCER_CUT = CutRule(first_capped=True, by_wire=True, keep_empty=True)
-SHARDED_CUT = CutRule(first_capped=False, by_wire=False, keep_empty=False)
+REDUCER_CUT = CutRule(by_wire=True, keep_empty=True)
+SHARDED_CUT = CutRule(by_wire=False, keep_empty=False)
 
 
 def cut_buckets(
@@ -222,8 +221,8 @@ def cut_buckets(
 
     With ``limit`` the size for the parameter's device (``BucketBytes.on``): ``alone``, one gradient of at
     least ``limit`` whose group dtype is its own (it can go as it lies). Smaller gradients share a bucket per
-    group until it holds ``limit`` (the first one, with ``rule.first_capped``, ``min(limit,
-    FIRST_BUCKET_BYTES)``); the buckets left open at the end are placed where their last (earliest) parameter is.
+    group until it holds ``limit`` (the first one of each group ``min(limit, FIRST_BUCKET_BYTES)``); the buckets
+    left open at the end are placed where their last (earliest) parameter is.
     """
     groups: list[tuple[bool, tuple[torch.dtype, torch.device], list[int]]] = []
     open_: dict[tuple[torch.dtype, torch.device], tuple[list[int], list[int]]] = {}  # key -> (members, bytes)
@@ -242,7 +241,7 @@ def cut_buckets(
         members, size = open_.setdefault(key, ([], [0]))
         members.append(i)
         size[0] += nbytes
-        first = min(limit, FIRST_BUCKET_BYTES) if rule.first_capped else limit
+        first = min(limit, FIRST_BUCKET_BYTES)
         if size[0] >= (limit if key in seen else first):
             del open_[key]
             seen.add(key)
@@ -362,6 +361,7 @@ class BucketMachine(abc.ABC):
     _index: dict[int, int]
     _bucket_of: list[int]
     _buckets: list[Any]
+    _ring: GlooTransport | None  # the gloo transport across hosts, whose calls a round may leave in flight
 
     def _init_rounds(self) -> None:
         self._round: Round | None = None
@@ -558,10 +558,21 @@ class BucketMachine(abc.ABC):
         return state is not None and state.deferred and not state.skip
 
     def _reset_round(self) -> None:
-        """Forget a round a failed backward left unfinished (after its sent buckets have gone)."""
+        """Forget a round a failed backward left unfinished (after its sent buckets have gone, and its gloo calls
+        left in flight have landed: none may land later in buffers another round uses)."""
         if self._round is not None and self.backend is not None:
             self.backend.wait_for_comm_thread(errors=False)
         self._round = None
+        ring = self._ring
+        if ring is not None and ring.in_flight and self.backend is not None:
+            worker = self.backend.comm_thread()  # where they were made, one job at a time
+            worker.submit(ring.settle)
+            worker.wait(errors=False)
+
+    def _settle(self) -> None:
+        """Complete the gloo calls left in flight (none without a gloo transport)."""
+        if self._ring is not None:
+            self._ring.settle()
 
     # -- sending ----------------------------------------------------------------------------
 

@@ -24,6 +24,14 @@ Its sockets are this process's only: a forked child (a DataLoader worker) has th
 fork, so a rank that dies closes its connections at once and its peers learn it then, not when its workers end.
 :meth:`GlooTransport.close` (called by :meth:`Backend.close`, and at exit) ends the group, its threads and sockets.
 
+Calls may be left in flight (``wait=False``): their first exchange is posted and the call returns; :meth:`settle`
+completes them, oldest first, posting each one's later ring steps as the earlier land (the reduction of a step runs
+when its bytes have arrived). A call made while others are in flight posts its first exchange before they are
+waited for, so its bytes follow theirs on the link without the pause of a round trip between them (on a 1 Gbit/s,
+1 ms link each call waited for alone costs about a millisecond of idle link). Each call takes a block of tags in
+the order calls are made, the same on every rank, one per ring step: an exchange pairs with the same call's step on
+its peers, whenever each rank settles its calls.
+
 A call that fails (a timeout, a peer gone) marks the transport broken on that rank: every later call raises,
 naming the first failure, so no later bucket can pair with another bucket of a peer. Every call is shown to the
 backend's stall watchdog (:meth:`Backend.watched`) and counted in ``calls``; in debug mode (``DML_DEBUG``) it is
@@ -33,6 +41,7 @@ compared across ranks first, as the public collectives are (``CollectiveMismatch
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import datetime
 import os
@@ -41,7 +50,7 @@ import socket
 import struct
 import uuid
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -79,7 +88,8 @@ class GlooTransport:
         #: Every rank's gloo address -> its ranks and host ("rank(s) [2, 3] on node-b"), to name a failed peer.
         self.peers = peers
         self._broken: str | None = None
-        self._scratch = np.empty(0, dtype=np.uint8)
+        self._free: list[np.ndarray] = []  # scratch buffers no call in flight holds
+        self._flying: collections.deque[_Flight] = collections.deque()  # calls posted, oldest first
         self._tag = 0
         #: Operations run, by kind: what proves that a transfer went over gloo rather than the backend.
         self.calls: dict[str, int] = {"allreduce": 0, "reduce_scatter": 0, "allgather": 0}
@@ -92,39 +102,80 @@ class GlooTransport:
 
     # -- the calls ----------------------------------------------------------------------------------------------
 
-    def allreduce(self, array: np.ndarray, op: ReduceOp) -> None:
-        """Reduce ``array`` (contiguous, in place) with ``op`` over every rank; AVG divides the sum."""
+    def allreduce(self, array: np.ndarray, op: ReduceOp, *, wait: bool = True) -> None:
+        """Reduce ``array`` (contiguous, in place) with ``op`` over every rank; AVG divides the sum.
+
+        ``wait=False`` leaves it in flight (its first exchange posted; :meth:`settle` completes it)."""
         flat = array.reshape(-1)
         if self.size == 1 or flat.size == 0:
             return
-        with self._call("allreduce", array, op):
-            self._ring_allreduce(flat, op)
+        flight = _Flight("allreduce", array, op, None)
+        self._start(flight, self._ring_allreduce(flight, flat, op), wait)
 
-    def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp) -> None:
-        """``recvbuf`` = the op over ranks of every rank's ``sendbuf[rank]`` (sendbuf: (W, n), left unchanged;
-        ``recvbuf`` may be ``sendbuf[rank]`` itself)."""
+    def reduce_scatter(
+        self,
+        sendbuf: np.ndarray,
+        recvbuf: np.ndarray,
+        op: ReduceOp,
+        *,
+        wait: bool = True,
+        done: Callable[[BaseException | None], None] | None = None,
+    ) -> None:
+        """``recvbuf`` = the op over ranks of every rank's ``sendbuf[rank]`` (sendbuf: (W, n), left unchanged
+        but for ``recvbuf``, which may be ``sendbuf[rank]`` itself). ``wait=False``: left in flight; ``done`` is
+        called when it has completed (None) or failed (the error)."""
         if self.size == 1:
             np.copyto(recvbuf, sendbuf[0])
+        elif recvbuf.size:
+            flight = _Flight("reduce_scatter", recvbuf, op, done)
+            rows = sendbuf.reshape(self.size, -1)
+            self._start(flight, self._ring_reduce_scatter(flight, rows, recvbuf.reshape(-1), op), wait)
             return
-        if recvbuf.size == 0:
-            return
-        with self._call("reduce_scatter", recvbuf, op):
-            self._ring_reduce_scatter(sendbuf.reshape(self.size, -1), recvbuf.reshape(-1), op)
+        if done is not None:
+            done(None)
 
-    def allgather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
-        """``recvbuf[k]`` = rank k's ``sendbuf`` (recvbuf: (W, n); sendbuf may be ``recvbuf[rank]`` itself)."""
+    def allgather(
+        self,
+        sendbuf: np.ndarray,
+        recvbuf: np.ndarray,
+        *,
+        wait: bool = True,
+        done: Callable[[BaseException | None], None] | None = None,
+    ) -> None:
+        """``recvbuf[k]`` = rank k's ``sendbuf`` (recvbuf: (W, n); sendbuf may be ``recvbuf[rank]`` itself).
+        ``wait=False``: left in flight; ``done`` is called when it has completed (None) or failed (the error)."""
         rows = recvbuf.reshape(self.size, -1)
         mine = sendbuf.reshape(-1)
         if self.size == 1 or mine.size == 0:
             if mine.ctypes.data != rows[self.rank].ctypes.data:
                 np.copyto(rows[self.rank], mine)
+            if done is not None:
+                done(None)
             return
-        with self._call("allgather", sendbuf, None):
-            if mine.ctypes.data != rows[self.rank].ctypes.data:
-                np.copyto(rows[self.rank], mine)
-            W, r = self.size, self.rank
-            for s in range(W - 1):  # pass along the row received last: every row goes once around the ring
-                self._exchange(rows[(r - s) % W], (r + 1) % W, rows[(r - s - 1) % W], (r - 1) % W)
+        flight = _Flight("allgather", sendbuf, None, done)
+        self._start(flight, self._ring_allgather(flight, mine, rows), wait)
+
+    def settle(self, keep: int = 0) -> None:
+        """Complete the calls in flight, oldest first, until ``keep`` are left (the newest ones)."""
+        while len(self._flying) > keep:
+            flight = self._flying[0]
+            try:
+                with self._backend.watched(flight.kind, flight.array, flight.op):
+                    while flight.works is not None:
+                        for work in flight.works:
+                            work.wait()
+                        flight.works = next(flight.steps, None)  # reduces what arrived, posts the next step
+            except BaseException as e:
+                raise self._fail(flight.kind, flight.array, e) from e
+            self._flying.popleft()
+            self._release(flight)
+            if flight.done is not None:
+                flight.done(None)
+
+    @property
+    def in_flight(self) -> int:
+        """How many calls are in flight (posted, not completed)."""
+        return len(self._flying)
 
     def close(self) -> None:
         """End the group (its threads and sockets) and the store; later calls raise. Called at exit for every
@@ -132,6 +183,7 @@ class GlooTransport:
         teardown (where a thread torn down inside C++ aborts the process)."""
         if self._broken is None:
             self._broken = "the transport was closed"
+        self._abandon(GlooTransportError(f"rank {self.rank}: the gloo transport was closed"))
         _open.discard(self)
         group, self._group = self._group, None
         self._store, self.sockets = None, {}
@@ -144,48 +196,98 @@ class GlooTransport:
 
     # -- machinery ----------------------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _call(self, kind: str, array: np.ndarray, op: ReduceOp | None) -> Iterator[None]:
+    def _start(self, flight: _Flight, steps: Iterator[list[Any]], wait: bool) -> None:
+        """Post the first exchange of a call (``steps``, a generator over its ring steps), queue it, and with
+        ``wait`` complete every call in flight."""
+        kind, array, op, done = flight.kind, flight.array, flight.op, flight.done
+        flight.steps = steps
+        flight.tag = self._next_tag()
         if self._broken is not None:
-            raise GlooTransportError(
+            error = GlooTransportError(
                 f"rank {self.rank}: the gloo transport of the gradient buckets is broken by an earlier failure "
                 f"({self._broken}); no bucket is sent after it. Restart the job (from a checkpoint)"
             )
+            if done is not None:
+                done(error)
+            raise error
         self.calls[kind] += 1
-        if self._backend.debug:  # debug mode: compared across ranks first, as the public collectives are
-            self._backend._check_call(kind, tuple(array.shape), str(array.dtype), op, -1)
+        if self._backend.debug:  # debug mode: compared across ranks first, as the public collectives are (a
+            try:  # mismatch raises on every rank before anything is sent: the transport stays whole)
+                self._backend._check_call(kind, tuple(array.shape), str(array.dtype), op, -1)
+            except BaseException as e:
+                if done is not None:
+                    done(e)
+                raise
         try:
-            with self._backend.watched(kind, array, op):
-                yield
+            # posted (nothing waits here: settle() does, watched), as a primitive of the backend: dml.join sees it
+            flight.works = self._backend._transport_call(kind, array, op, lambda: next(steps, None))
         except BaseException as e:
+            if done is not None:
+                done(e)
+            raise self._fail(kind, array, e) from e
+        self._flying.append(flight)
+        if wait or self._backend.observed:  # observed (dml.join): a rank that has run out of data makes each
+            self.settle()  # announced call whole before the next primitive, so none is left in flight here
+
+    def _fail(self, kind: str, array: np.ndarray, e: BaseException) -> GlooTransportError:
+        """Mark the transport broken by ``e`` (in ``kind``), abandon the calls in flight; the error to raise."""
+        if self._broken is None:
             self._broken = f"{kind} of {array.size} {array.dtype} on rank {self.rank}: {type(e).__name__}: {e}"
-            raise GlooTransportError(
-                f"rank {self.rank}: the gloo transport of the gradient buckets failed in {kind} "
-                f"({type(e).__name__}: {e}){self._named(str(e))}; every later bucket on this rank raises. A peer may "
-                "have ended or be unreachable"
-            ) from e
+        error = GlooTransportError(
+            f"rank {self.rank}: the gloo transport of the gradient buckets failed in {kind} "
+            f"({type(e).__name__}: {e}){self._named(str(e))}; every later bucket on this rank raises. A peer may "
+            "have ended or be unreachable"
+        )
+        self._abandon(error)
+        return error
+
+    def _abandon(self, error: BaseException) -> None:
+        """Drop every call in flight (the transport is broken or closed): each one's ``done`` learns ``error``."""
+        flying, self._flying = list(self._flying), collections.deque()
+        for flight in flying:
+            flight.steps.close()
+            if flight.done is not None:
+                with contextlib.suppress(Exception):
+                    flight.done(error)
+
+    def _scratch(self, nbytes: int) -> np.ndarray:
+        """A scratch buffer of ``nbytes`` that no call in flight holds (kept for reuse: fresh memory is slow to
+        touch); :meth:`_release` gives it back."""
+        fits = [k for k, b in enumerate(self._free) if b.nbytes >= nbytes]
+        if fits:
+            k = min(fits, key=lambda k: self._free[k].nbytes)
+            return self._free.pop(k)
+        if self._free:  # too small: replaced by a larger one
+            self._free.pop(max(range(len(self._free)), key=lambda k: self._free[k].nbytes))
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def _release(self, flight: _Flight) -> None:
+        if flight.scratch is not None:
+            self._free.append(flight.scratch)
+            flight.scratch = None
 
     def _named(self, error: str) -> str:
         """The ranks and hosts of the peer addresses ``error`` mentions (gloo names a peer by its address only)."""
         found = [a for a in dict.fromkeys(re.findall(r"\d+\.\d+\.\d+\.\d+", error)) if a in self.peers]
         return f" ({'; '.join(f'{a} is {self.peers[a]}' for a in found)})" if found else ""
 
-    def _ring_reduce_scatter(self, rows: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+    def _ring_reduce_scatter(
+        self, flight: _Flight, rows: np.ndarray, out: np.ndarray, op: ReduceOp
+    ) -> Iterator[list[Any]]:
         """W-1 steps: send a partial of part (r-s-1) to the next rank, receive one of part (r-s-2) from the previous,
         add this rank's own; after the last step the part received is this rank's, fully reduced into ``out``.
-        Two scratch rows alternate: one is sent while the other receives."""
+        Two scratch rows alternate: one is sent while the other receives. A generator: it yields each step's
+        posted exchange, and goes on once that has landed."""
         W, r = self.size, self.rank
         n = rows.shape[1]
-        need = 2 * n * rows.dtype.itemsize
-        if self._scratch.nbytes < need:
-            self._scratch = np.empty(need, dtype=np.uint8)
-        bufs = self._scratch[:need].view(rows.dtype).reshape(2, n)
+        flight.scratch = self._scratch(2 * n * rows.dtype.itemsize)
+        bufs = flight.scratch[: 2 * n * rows.dtype.itemsize].view(rows.dtype).reshape(2, n)
         ufunc = _UFUNCS[op]
         right, left = (r + 1) % W, (r - 1) % W
         sending = rows[(r - 1) % W]
         for s in range(W - 1):
             got = bufs[s % 2]
-            self._exchange(sending, right, got, left)
+            yield self._exchange(sending, right, got, left, flight.tag + s)
             own = rows[(r - s - 2) % W]
             if s == W - 2:
                 ufunc(got, own, out=out)  # out may be own (this rank's row): element by element, in place
@@ -195,42 +297,65 @@ class GlooTransport:
         if op is ReduceOp.AVG:
             np.divide(out, W, out=out)
 
-    def _ring_allreduce(self, flat: np.ndarray, op: ReduceOp) -> None:
+    def _ring_allreduce(self, flight: _Flight, flat: np.ndarray, op: ReduceOp) -> Iterator[list[Any]]:
         """A reduce-scatter then an allgather around the ring, in place, over W parts of ``flat`` (sizes differ by
         at most one element): 2(W-1)/W of it sent and received per rank. Each part is reduced once, in ring order,
-        on one rank, then copied to the others: every rank gets the same bits."""
+        on one rank, then copied to the others: every rank gets the same bits. A generator, as above."""
         W, r = self.size, self.rank
         n = flat.size
         bounds = [k * n // W for k in range(W + 1)]
         part = [flat[bounds[k] : bounds[k + 1]] for k in range(W)]
-        widest = max(bounds[k + 1] - bounds[k] for k in range(W)) * flat.itemsize
-        if self._scratch.nbytes < widest:
-            self._scratch = np.empty(widest, dtype=np.uint8)
+        scratch = flight.scratch = self._scratch(max(bounds[k + 1] - bounds[k] for k in range(W)) * flat.itemsize)
         ufunc = _UFUNCS[op]
         right, left = (r + 1) % W, (r - 1) % W
         for s in range(W - 1):  # reduce-scatter: part (r-s-1) goes right, part (r-s-2) comes from the left
             mine = part[(r - s - 2) % W]
-            got = self._scratch[: mine.nbytes].view(flat.dtype)
-            self._exchange(part[(r - s - 1) % W], right, got, left)
+            got = scratch[: mine.nbytes].view(flat.dtype)
+            yield self._exchange(part[(r - s - 1) % W], right, got, left, flight.tag + s)
             ufunc(got, mine, out=mine)  # the partial sum this rank sends on next
         if op is ReduceOp.AVG:
             np.divide(part[r], W, out=part[r])
         for s in range(W - 1):  # allgather: the reduced parts go once around the ring
-            self._exchange(part[(r - s) % W], right, part[(r - s - 1) % W], left)
+            yield self._exchange(part[(r - s) % W], right, part[(r - s - 1) % W], left, flight.tag + W - 1 + s)
 
-    def _exchange(self, send: np.ndarray, to: int, into: np.ndarray, source: int) -> None:
-        """Send ``send`` to rank ``to`` while receiving ``into`` from rank ``source``. The receive is posted first:
-        data that reaches gloo before its receive is posted takes a slow path (measured on a 1 Gbit/s, 1 ms link:
-        32 MiB each way took 0.56 s with the send posted first, 0.28 s, the link's rate, with the receive first)."""
-        tag = self._next_tag()
+    def _ring_allgather(self, flight: _Flight, mine: np.ndarray, rows: np.ndarray) -> Iterator[list[Any]]:
+        """W-1 steps, each passing on the row received last: every row goes once around the ring."""
+        W, r = self.size, self.rank
+        if mine.ctypes.data != rows[r].ctypes.data:
+            np.copyto(rows[r], mine)
+        for s in range(W - 1):
+            yield self._exchange(rows[(r - s) % W], (r + 1) % W, rows[(r - s - 1) % W], (r - 1) % W, flight.tag + s)
+
+    def _exchange(self, send: np.ndarray, to: int, into: np.ndarray, source: int, tag: int) -> list[Any]:
+        """Post: send ``send`` to rank ``to`` while receiving ``into`` from rank ``source``; the two works to wait
+        for. The receive is posted first: data that reaches gloo before its receive is posted takes a slow path
+        (measured on a 1 Gbit/s, 1 ms link: 32 MiB each way took 0.56 s with the send posted first, 0.28 s, the
+        link's rate, with the receive first)."""
         recv = self._group.recv([torch.from_numpy(into)], source, tag)
         sent = self._group.send([torch.from_numpy(send)], to, tag)
-        recv.wait()
-        sent.wait()
+        return [recv, sent]
 
     def _next_tag(self) -> int:
-        self._tag = (self._tag + 1) % (1 << 30)
+        """The first tag of the next call: each call has its own block, one tag per ring step (2(W-1) at most), in
+        the order calls are made, the same on every rank. An exchange's tag so pairs it with the same call's step
+        on its peers whatever the calls were settled in between (ranks may complete calls at different points)."""
+        span = 2 * max(self.size - 1, 1)
+        self._tag = (self._tag + span) % ((1 << 30) - (1 << 30) % span)
         return self._tag
+
+
+class _Flight:
+    """A call in flight: ``steps`` posts each ring step's exchange and yields its ``works`` (None once done);
+    ``scratch``, the buffer it holds; ``done``, told when it completes (None) or fails (the error)."""
+
+    def __init__(
+        self, kind: str, array: np.ndarray, op: ReduceOp | None, done: Callable[[BaseException | None], None] | None
+    ) -> None:
+        self.kind, self.array, self.op, self.done = kind, array, op, done
+        self.steps: Iterator[list[Any]] = iter(())
+        self.works: list[Any] | None = None
+        self.scratch: np.ndarray | None = None
+        self.tag = 0  # its first exchange's
 
 
 _UFUNCS = {

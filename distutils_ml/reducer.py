@@ -297,6 +297,7 @@ class GradientReducer(BucketMachine):
         step = self.step_bucket
         if step is None or state.task < 0 or self.scale != 1.0:
             return
+        self._settle()  # its allreduce, if left in flight
         bucket = self._buckets[k]
         idx = bucket.params
         if not idx or any(not state.has[i] or i in state.graphs or i in state.sparse_seen for i in idx):
@@ -326,10 +327,16 @@ class GradientReducer(BucketMachine):
             state.sparse_seen.add(i)
 
     def _close(self, backend: Backend, state: Round) -> Callable[[], None] | None:
-        """After the buckets: the gradients reduced as sparse (gathered indices and values), in parameter order."""
+        """After the buckets: the last bucket's gloo allreduce completed (left in flight), then the gradients
+        reduced as sparse (gathered indices and values), in parameter order."""
         if not self._sparse:
-            return None
-        return lambda: self._reduce_sparse(backend, state)
+            return None if self._ring is None else self._settle
+
+        def close() -> None:
+            self._settle()
+            self._reduce_sparse(backend, state)
+
+        return close
 
     def _reduce_sparse(self, backend: Backend, state: Round) -> None:
         params = [self._params[i] for i in self._sparse]
@@ -455,11 +462,17 @@ class ReducedValues(torch.autograd.Function):
 
 
 def _reduce(backend: Backend, ring: GlooTransport | None, tensor: torch.Tensor, op: ReduceOp) -> None:
-    """One bucket's allreduce: over gloo across hosts (:mod:`distutils_ml.transport`), else the backend."""
+    """One bucket's allreduce: over gloo across hosts (:mod:`distutils_ml.transport`), else the backend. Over gloo
+    it is left in flight once the calls before it have landed (its first exchange goes while the one before it
+    lands, without a round trip's pause): the next bucket, or the round's close (:meth:`GradientReducer._close`),
+    completes it."""
     array = ring_array(ring, tensor, op)
     if ring is not None and array is not None:
-        ring.allreduce(array, op)
+        ring.allreduce(array, op, wait=False)
+        ring.settle(keep=1)
         return
+    if ring is not None:
+        ring.settle()
     allreduce(backend, tensor, op)
 
 

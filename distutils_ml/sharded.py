@@ -5,9 +5,9 @@ flat buffer per (dtype, device): each parameter's ``.data`` becomes a view of it
 its ``.grad`` a view of a flat gradient buffer laid out alike (gradient-as-bucket-view).
 Each flat buffer is cut into buckets in reverse parameter order by
 :func:`distutils_ml.buckets.cut_buckets` (a parameter of at least ``bucket_bytes`` is a
-bucket of its own, smaller ones share buckets of about ``bucket_bytes``; unlike the
-reducer's cut, ``SHARDED_CUT``: grouped by parameter dtype, no smaller first bucket, no
-place for zero-element parameters), each bucket padded to a multiple of W, the number of ranks.
+bucket of its own, smaller ones share buckets of about ``bucket_bytes``, the first at most
+1 MiB; unlike the reducer's cut, ``SHARDED_CUT``: grouped by parameter dtype, no place for
+zero-element parameters), each bucket padded to a multiple of W, the number of ranks.
 Rank r owns piece r of every bucket: its shard, a W-th of the elements (elements, not whole
 parameters, are sharded).
 
@@ -442,6 +442,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         if not self._step_during_backward:
             return
         bucket = self._buckets[k]
+        self._settle()  # its reduce-scatter, if left in flight
         if self._step_failure is None and not state.changed and all(state.has[i] for i in bucket.params):
             pieces, members = self._by_bucket()[k]
             self._point_grads(pieces)
@@ -451,7 +452,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
                 self._stepped_here.add(k)
             except Exception as e:  # still allgathered below: the other ranks wait for this bucket
                 self._step_failure = e
-        self._allgather(bucket)
+        self._allgather(bucket, pipelined=True)
 
     def _fill(self, state: Round, k: int) -> torch.Tensor:
         """Bucket ``k``'s gradients in place in the flat gradient buffer (zeros for the missing ones)."""
@@ -469,10 +470,11 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         return bucket.grads
 
     def _communicate(self, backend: Backend, k: int, tensor: torch.Tensor) -> None:
-        self._reduce_bucket(self._buckets[k])
+        self._reduce_bucket(self._buckets[k], pipelined=True)
 
     def _close(self, backend: Backend, state: Round) -> Callable[[], None]:
-        """The header, reduce-scattered after the buckets (the gradient buffers then hold a reduction)."""
+        """The header, reduce-scattered after the buckets (the gradient buffers then hold a reduction). Across
+        hosts its exchange is posted while the last bucket's is still in flight, then both are completed."""
         self._write_head(state)
         head = self._head
         self._stale = True
@@ -487,11 +489,12 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
 
         return header
 
-    def _reduce_bucket(self, bucket: Bucket) -> None:
-        """Reduce-scatter one bucket in place: this rank's piece of the flat gradients becomes the reduced one."""
+    def _reduce_bucket(self, bucket: Bucket, *, pipelined: bool = False) -> None:
+        """Reduce-scatter one bucket in place: this rank's piece of the flat gradients becomes the reduced one
+        (``pipelined``: across hosts it may be left in flight, as :meth:`_reduce_scatter` says)."""
         grads = bucket.grads
         if self._wire is None or self._wire == grads.dtype:
-            self._reduce_scatter(grads, self._op)
+            self._reduce_scatter(grads, self._op, pipelined=pipelined)
             return
         wire = self._scratch_for(self._wire, grads.device, grads.numel()).view(grads.shape)
         wire.copy_(grads)
@@ -499,28 +502,46 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         rank = self._backend.rank
         grads[rank].copy_(wire[rank])
 
-    def _reduce_scatter(self, rows: torch.Tensor, op: ReduceOp) -> None:
+    def _reduce_scatter(self, rows: torch.Tensor, op: ReduceOp, *, pipelined: bool = False) -> None:
         """In place: ``rows[rank]`` becomes the op over ranks of their ``rows[rank]``; the other rows stay.
 
-        Over gloo where the reducer uses it (ranks on several hosts, :mod:`distutils_ml.transport`).
+        Over gloo where the reducer uses it (ranks on several hosts, :mod:`distutils_ml.transport`). There,
+        ``pipelined`` leaves it in flight and completes the calls before it (the next call, or :meth:`_settle`,
+        completes it): its exchange is on the link while the one before it lands, without a round trip's pause.
+        Otherwise every call in flight is completed before this returns.
         """
         ring, rank = self._ring, self._backend.rank
         array = ring_array(ring, rows, op)
         if ring is not None and array is not None:
-            ring.reduce_scatter(array, array[rank], op)  # in place: the other rows stay
+            ring.reduce_scatter(array, array[rank], op, wait=not pipelined)  # in place: the other rows stay
+            ring.settle(keep=1 if pipelined else 0)
             return
+        self._settle()
         reduce_scatter(self._backend, rows, op)
 
-    def _allgather(self, bucket: Bucket) -> None:
-        """Every rank's piece of ``bucket`` into every rank's flat parameter buffer (over gloo across hosts)."""
+    def _allgather(
+        self, bucket: Bucket, *, pipelined: bool = False, done: Callable[[BaseException | None], None] | None = None
+    ) -> None:
+        """Every rank's piece of ``bucket`` into every rank's flat parameter buffer (over gloo across hosts, where
+        ``pipelined`` leaves it in flight as :meth:`_reduce_scatter` says); ``done`` is told when it has landed
+        (None) or failed (the error)."""
         rows, rank, ring = bucket.values, self._backend.rank, self._ring
         array = ring_array(ring, rows, ReduceOp.SUM)
         if ring is not None and array is not None:
-            ring.allgather(array[rank], array)
+            ring.allgather(array[rank], array, wait=not pipelined, done=done)
+            ring.settle(keep=1 if pipelined else 0)
             return
-        piece = self._scratch_for(rows.dtype, rows.device, bucket.piece)
-        piece.copy_(rows[rank])
-        allgather(self._backend, piece, rows)
+        try:
+            self._settle()
+            piece = self._scratch_for(rows.dtype, rows.device, bucket.piece)
+            piece.copy_(rows[rank])
+            allgather(self._backend, piece, rows)
+        except BaseException as e:
+            if done is not None:
+                done(e)
+            raise
+        if done is not None:
+            done(None)
 
     def _scratch_for(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
         """A reused buffer of at least ``numel`` elements (the largest bucket's, at most)."""
@@ -778,7 +799,8 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         self._inner.step()
         with exclusive(self._backend, "DistributedOptimizer.step"):
             for b in self._buckets:
-                self._allgather(b)
+                self._allgather(b, pipelined=True)
+            self._settle()
 
     def _step_and_allgather_by_bucket(self) -> None:
         """Across hosts (gloo, whose waits sleep): step bucket k's pieces, then allgather bucket k on the
@@ -803,7 +825,8 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
                 self._last_arrival = arrived
                 worker.submit(functools.partial(self._allgather_then_set, bucket, arrived))
             else:
-                worker.submit(functools.partial(self._allgather, bucket))
+                worker.submit(functools.partial(self._allgather, bucket, pipelined=True))
+        worker.submit(self._settle)  # the last allgather, left in flight
         if self._prefetch and self._arriving:
             if self._arrival_hook is None:
                 self._arrival_hook = torch.nn.modules.module.register_module_forward_pre_hook(
@@ -813,13 +836,18 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         self._backend.wait_for_comm_thread()
 
     def _allgather_then_set(self, bucket: Bucket, arrived: threading.Event) -> None:
-        try:
-            self._allgather(bucket)
-        except BaseException as e:
-            self._arrival_error = e
-            raise
-        finally:
+        """Allgather ``bucket`` (left in flight), then set ``arrived`` when it has landed or failed."""
+
+        def done(error: BaseException | None) -> None:
+            if error is not None and not arrived.is_set():
+                self._arrival_error = error
             arrived.set()
+
+        try:
+            self._allgather(bucket, pipelined=True, done=done)
+        except BaseException as e:  # whatever raised, the forward waiting for this bucket learns it
+            done(e)
+            raise
 
     def _await(self, params: Iterator[torch.Tensor]) -> None:
         """Wait for the allgathers of ``params``' buckets (prefetch); once every one has arrived, stop watching."""

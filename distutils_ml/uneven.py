@@ -253,8 +253,29 @@ class Join:
             cls._allgather_bytes(backend, data)
         elif name == "_device_collective":
             self._neutral_device(spec)
+        elif name == "_transport_call":
+            self._neutral_transport(*spec)
         else:  # pragma: no cover - OBSERVED and this list name the same calls
             raise RuntimeError(f"join: no neutral form of {name}")
+
+    def _neutral_transport(self, kind: str, spec: tuple[tuple[int, ...], str], op: ReduceOp | None) -> None:
+        """The gradient buckets' gloo call (ranks on several hosts) an active rank announced, with neutral data."""
+        from distutils_ml.transport import transport_for
+
+        backend = self.backend
+        ring = transport_for(backend)
+        if ring is None:  # pragma: no cover - every rank made the same transport (a collective)
+            raise RuntimeError("join: an active rank sent a bucket over gloo, and this rank has no gloo transport")
+        (shape, dtype), W = spec, backend.size
+        if kind == "allreduce":
+            assert op is not None
+            ring.allreduce(_identity(shape, dtype, op), op)
+        elif kind == "reduce_scatter":
+            assert op is not None
+            rows = _identity((W, *shape), dtype, op)
+            ring.reduce_scatter(rows, rows[backend.rank], op)
+        else:  # allgather: zeros from this rank (join refuses the sharded optimizer, whose parameters these are)
+            ring.allgather(np.zeros(shape, dtype), np.empty((W, *shape), dtype))
 
     def _neutral_device(self, spec: tuple[Any, ...]) -> None:
         kind, send, recv, op, root = spec
@@ -318,6 +339,9 @@ def _describe(name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
         return (args[1],)
     if name == "_allgather_bytes":
         return (args[0],)
+    if name == "_transport_call":
+        kind, array, op, _post = args
+        return kind, spec(array), op
     kind, send, recv, op, root = args  # _device_collective
     return kind, spec(send), spec(recv), op, root
 

@@ -1218,11 +1218,11 @@ def prefetch_body(backend: dml.Backend, delay: float) -> int:
     slow_allgather = ring.allgather
     if delay:
 
-        def allgather(*args: Any) -> None:
+        def allgather(*args: Any, **kwargs: Any) -> None:
             import time
 
             time.sleep(delay)
-            slow_allgather(*args)
+            slow_allgather(*args, **kwargs)
 
         ring.allgather = allgather  # type: ignore[method-assign]
     try:

@@ -18,9 +18,10 @@ from mpirun import requires_mpi, run_mpi
 @requires_mpi
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_gloo_allreduce_reduce_scatter_allgather_and_buckets_under_mpiexec(ranks: int) -> None:
-    job = run_mpi(ranks, ["tests/transport_job.py", "ring", "buckets"], envs=[{"DML_TRANSPORT": "gloo"}] * ranks)
+    checks = ["ring", "inflight", "buckets"]
+    job = run_mpi(ranks, ["tests/transport_job.py", *checks], envs=[{"DML_TRANSPORT": "gloo"}] * ranks)
     assert job.returncode == 0, job.output[-8000:]
-    assert f"TRANSPORT CHECKS PASSED: ring buckets on {ranks} ranks" in job.output, job.output[-8000:]
+    assert f"TRANSPORT CHECKS PASSED: {' '.join(checks)} on {ranks} ranks" in job.output, job.output[-8000:]
 
 
 @requires_mpi

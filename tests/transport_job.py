@@ -2,7 +2,8 @@
 ``DML_TRANSPORT=gloo``.
 
 ``ring``: the gloo transport's allreduce, reduce-scatter and allgather against the op over every rank's
-buffer (hypothesis: sizes, dtypes, ops), bit-identical on every rank; ``buckets``: the gradient buckets of a
+buffer (hypothesis: sizes, dtypes, ops), bit-identical on every rank; ``inflight``: calls left in flight and
+completed at different points on different ranks; ``buckets``: the gradient buckets of a
 model going over it. ``agree``: ``DML_TRANSPORT`` set differently on the ranks is a ValueError on every
 rank. ``broken``: a failed call breaks the transport on every rank. ``bucket_fails`` (must end the job): a
 rank's bucket fails mid-backward. Rank 0 ends with ``TRANSPORT CHECKS PASSED``.
@@ -10,12 +11,14 @@ rank's bucket fails mid-backward. Rank 0 ends with ``TRANSPORT CHECKS PASSED``.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import os
 import signal
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -90,6 +93,62 @@ def ring_body(world: dml.Backend, case: RingCase) -> None:
     rows[np.arange(world.size) != world.rank] = 0
     ring.allgather(rows[world.rank], rows)
     np.testing.assert_array_equal(rows, sends[:, 1])
+
+
+@dataclass(frozen=True)
+class FlightCase:
+    calls: tuple[tuple[str, int, type, ReduceOp], ...]  # (kind, elements per row, dtype, op)
+    seed: int
+
+
+@st.composite
+def flight_cases(draw: st.DrawFn) -> FlightCase:
+    calls = []
+    for _ in range(draw(st.integers(1, 6))):
+        dtype = draw(st.sampled_from((np.float32, np.float64, np.int32, np.int64)))
+        ops = [op for op in REFERENCE if op is not ReduceOp.AVG or np.dtype(dtype).kind == "f"]
+        n = draw(st.one_of(st.integers(0, 5), st.integers(6, 3000), st.integers(1 << 17, (1 << 17) + 3)))
+        calls.append((draw(st.sampled_from(["allreduce", "reduce_scatter", "allgather"])), n, dtype,
+                      draw(st.sampled_from(ops))))  # fmt: skip
+    return FlightCase(tuple(calls), draw(st.integers(0, 2**31 - 1)))
+
+
+def inflight_body(world: dml.Backend, case: FlightCase) -> None:
+    """Calls left in flight (``wait=False``), each rank completing them at points of its own (``settle(keep)``
+    drawn per rank after each call, or not at all until the end): every result is the op over every rank's
+    buffer, bit for bit; each ``done`` is told once, of success; nothing is left in flight."""
+    ring = transport_for(world)
+    assert ring is not None
+    W, r = world.size, world.rank
+    rng = np.random.default_rng(case.seed)
+    mine = np.random.default_rng([case.seed, r])  # this rank's own settling points
+    checks, told = [], []
+    for k, (kind, n, dtype, op) in enumerate(case.calls):
+        if kind == "allreduce":
+            every = _values(rng, (W, n), dtype, op)
+            x = every[r].copy()
+            ring.allreduce(x, op, wait=False)
+            checks.append((x, REFERENCE[op](every).astype(dtype), op, f"call {k}: allreduce"))
+        elif kind == "reduce_scatter":
+            sends = _values(rng, (W, W, n), dtype, op)
+            rows = sends[r].copy()
+            ring.reduce_scatter(rows, rows[r], op, wait=False, done=told.append)  # in place, as the buckets do
+            checks.append((rows[r], REFERENCE[op](sends[:, r]).astype(dtype), op, f"call {k}: reduce_scatter"))
+        else:
+            every = _values(rng, (W, n), dtype, op)
+            rows = np.zeros((W, n), dtype)
+            rows[r] = every[r]
+            ring.allgather(rows[r], rows, wait=False, done=told.append)
+            checks.append((rows, every, ReduceOp.SUM, f"call {k}: allgather"))
+        keep = int(mine.integers(0, 4))
+        if keep < 3:
+            ring.settle(keep=keep)
+            assert ring.in_flight <= keep, (ring.in_flight, keep)
+    ring.settle()
+    assert ring.in_flight == 0
+    for got, want, op, what in checks:
+        _same(got, want, op, what)
+    assert told == [None] * sum(kind != "allreduce" for kind, *_ in case.calls), told
 
 
 def _values(rng: np.random.Generator, shape: tuple[int, ...], dtype: type, op: ReduceOp) -> np.ndarray:
@@ -168,8 +227,15 @@ def broken_body(world: dml.Backend) -> str:
     x = np.ones(8, np.float32)
     ring.allreduce(x, ReduceOp.SUM)
     assert (x == world.size).all(), x
-    if world.rank == world.size - 1:
+    told: list[Any] = []
+    for _ in range(2):  # left in flight
+        ring.allgather(np.ones(4, np.float32), np.zeros((world.size, 4), np.float32), wait=False, done=told.append)
+    closing = world.rank == world.size - 1
+    if closing:
         ring.close()  # this rank's transport ends: its next call fails here, its peers' fail with it
+    with contextlib.suppress(GlooTransportError):
+        ring.settle()
+    told[:] = [e if e is None else type(e) for e in told]
     outcomes = []
     for _ in range(2):
         try:
@@ -181,6 +247,15 @@ def broken_body(world: dml.Backend) -> str:
     for rank, (first, second) in enumerate(every):
         assert first != "no error" and second != "no error", (rank, first, second)
         assert "broken by an earlier failure" in second, (rank, second)
+    # Calls in flight on a transport that breaks, and made on a broken one: each done is told once, of a failure
+    # where the call cannot have completed (the closed rank's; after it, every rank's); none stays in flight.
+    assert len(told) == 2 and all(e in (None, GlooTransportError) for e in told), told
+    assert not closing or told == [GlooTransportError, GlooTransportError], told
+    for _ in range(2):
+        with contextlib.suppress(GlooTransportError):
+            ring.allgather(np.ones(4, np.float32), np.zeros((world.size, 4), np.float32), wait=False, done=told.append)
+    assert [type(e) for e in told[2:]] == [GlooTransportError, GlooTransportError], told
+    assert ring.in_flight == 0, ring.in_flight
     return "every rank raised, twice"
 
 
@@ -361,6 +436,7 @@ def main(names: list[str]) -> None:
     world = dml.get_distributed_backend(dml.MPIBackend)
     checks = {
         "ring": lambda: hypothesis_check(world, ring_body, ring_cases(), 40),
+        "inflight": lambda: hypothesis_check(world, inflight_body, flight_cases(), 12),
         "buckets": lambda: buckets_body(world),
         "agree": lambda: agree_body(world),
         "broken": lambda: broken_body(world),

@@ -206,6 +206,7 @@ class Backend(abc.ABC):
         """
         if self._closers is None:
             raise RuntimeError(f"{self!r} is closed")
+        self._observer = observer
         for name in OBSERVED:
             if observer is None:
                 self.__dict__.pop(name, None)
@@ -303,6 +304,18 @@ class Backend(abc.ABC):
         """Run collective ``kind`` on contiguous CUDA tensors (``send`` None: in place), on the current stream."""
         raise NotImplementedError(f"{type(self).__name__} does not take CUDA buffers")
 
+    @property
+    def observed(self) -> bool:
+        """Whether an observer (:meth:`observe`) sees this backend's primitives now."""
+        return getattr(self, "_observer", None) is not None
+
+    def _transport_call(self, kind: str, array: np.ndarray, op: ReduceOp | None, post: Callable[[], Any]) -> Any:
+        """A call of a transport over this backend's ranks (the gloo group of the gradient buckets,
+        :mod:`distutils_ml.gloo`), about to be posted: ``post()`` posts it and its result is returned. A primitive
+        of its own so that :meth:`observe` sees it in order with the others: ``dml.join`` announces it, and a rank
+        that has run out of data makes the same call with neutral data."""
+        return post()
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
 
@@ -320,6 +333,7 @@ OBSERVED = (
     "_bcast_bytes",
     "_allgather_bytes",
     "_device_collective",
+    "_transport_call",
     "_check_call",
 )
 
