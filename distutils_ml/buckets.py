@@ -32,6 +32,7 @@ Transport (:func:`ring_array`): a CPU bucket of float32/float64 goes over the gl
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -422,7 +423,11 @@ class BucketMachine(abc.ABC):
             return
         with exclusive(backend, self.caller):
             state = self._new_round(-1, self._begin(backend, now=True))
-            self._flush(backend, state, overlap=False)
+            try:
+                self._flush(backend, state, overlap=False)
+            except BaseException:
+                self._settle_here()
+                raise
             self._finish(backend, state)
 
     @torch.compiler.disable  # torch.compile around backward() runs the hooks as Python: collectives are not traced
@@ -531,10 +536,18 @@ class BucketMachine(abc.ABC):
         """Send what is left, wait, finish the round (which ran during a backward)."""
         try:
             if self.overlap:
-                self._flush(backend, state, overlap=True)
+                try:
+                    self._flush(backend, state, overlap=True)
+                except BaseException:
+                    self._settle_in_flight()
+                    raise
             else:
                 with exclusive(backend, self.caller):
-                    self._flush(backend, state, overlap=False)
+                    try:
+                        self._flush(backend, state, overlap=False)
+                    except BaseException:
+                        self._settle_here()
+                        raise
             self._finish(backend, state)
         finally:
             self._round = None
@@ -563,16 +576,28 @@ class BucketMachine(abc.ABC):
         if self._round is not None and self.backend is not None:
             self.backend.wait_for_comm_thread(errors=False)
         self._round = None
-        ring = self._ring
-        if ring is not None and ring.in_flight and self.backend is not None:
-            worker = self.backend.comm_thread()  # where they were made, one job at a time
-            worker.submit(ring.settle)
-            worker.wait(errors=False)
+        self._settle_in_flight()
 
     def _settle(self) -> None:
         """Complete the gloo calls left in flight (none without a gloo transport)."""
         if self._ring is not None:
             self._ring.settle()
+
+    def _settle_in_flight(self) -> None:
+        """After a round that failed part way: complete the gloo calls it left in flight, on the communication
+        thread (after its jobs; one job at a time), so that none lands later in buffers another round uses. A
+        failure there breaks the transport (every later call raises) and is not raised here."""
+        ring = self._ring
+        if ring is not None and ring.in_flight and self.backend is not None:
+            worker = self.backend.comm_thread()
+            worker.submit(ring.settle)
+            worker.wait(errors=False)
+
+    def _settle_here(self) -> None:
+        """As :meth:`_settle_in_flight`, on this thread, which holds the backend (the calls were made on it)."""
+        if self._ring is not None and self._ring.in_flight:
+            with contextlib.suppress(Exception):
+                self._ring.settle()
 
     # -- sending ----------------------------------------------------------------------------
 

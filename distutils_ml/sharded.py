@@ -814,19 +814,21 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         order = range(len(self._buckets))
         if self._prefetch:  # forward order (buckets go in reverse parameter order): the first layers' first
             order = reversed(order)
-        for k in order:
-            bucket, members = self._buckets[k], by_bucket[k][1]
-            if any(members):
-                step_groups(self._inner, members)
-            if self._prefetch:
-                arrived = threading.Event()
-                for i in bucket.params:
-                    self._arriving[id(self._params[i])] = arrived
-                self._last_arrival = arrived
-                worker.submit(functools.partial(self._allgather_then_set, bucket, arrived))
-            else:
-                worker.submit(functools.partial(self._allgather, bucket, pipelined=True))
-        worker.submit(self._settle)  # the last allgather, left in flight
+        try:
+            for k in order:
+                bucket, members = self._buckets[k], by_bucket[k][1]
+                if any(members):
+                    step_groups(self._inner, members)
+                if self._prefetch:
+                    arrived = threading.Event()
+                    for i in bucket.params:
+                        self._arriving[id(self._params[i])] = arrived
+                    self._last_arrival = arrived
+                    worker.submit(functools.partial(self._allgather_then_set, bucket, arrived))
+                else:
+                    worker.submit(functools.partial(self._allgather, bucket, pipelined=True))
+        finally:  # a step that raised too: the allgathers submitted land (their events are set)
+            worker.submit(self._settle)  # the last allgather, left in flight
         if self._prefetch and self._arriving:
             if self._arrival_hook is None:
                 self._arrival_hook = torch.nn.modules.module.register_module_forward_pre_hook(

@@ -36,6 +36,7 @@ from distutils_ml.buffers import BufferBroadcast
 from distutils_ml.optimizer import DistributedOptimizer
 from distutils_ml.sharded import ShardedOptimizer
 from distutils_ml.synchronize import synchronize
+from distutils_ml.watchdog import call_site, site_as
 
 __all__ = ["Join", "join", "joined_ranks_send_zeros"]
 
@@ -225,8 +226,10 @@ class Join:
     def _neutral(self, name: str, spec: tuple[Any, ...]) -> None:
         backend = self.backend
         cls = type(backend)
-        if name == "_check_call":
-            cls._check_call(backend, *spec)
+        if name == "_check_call":  # compared as made where the announcer made it (debug mode compares call sites)
+            *call, site = spec
+            with site_as(site):
+                cls._check_call(backend, *call)
         elif name == "_barrier":
             cls._barrier(backend)
         elif name == "_allreduce":
@@ -267,15 +270,16 @@ class Join:
         if ring is None:  # pragma: no cover - every rank made the same transport (a collective)
             raise RuntimeError("join: an active rank sent a bucket over gloo, and this rank has no gloo transport")
         (shape, dtype), W = spec, backend.size
-        if kind == "allreduce":
-            assert op is not None
-            ring.allreduce(_identity(shape, dtype, op), op)
-        elif kind == "reduce_scatter":
-            assert op is not None
-            rows = _identity((W, *shape), dtype, op)
-            ring.reduce_scatter(rows, rows[backend.rank], op)
-        else:  # allgather: zeros from this rank (join refuses the sharded optimizer, whose parameters these are)
-            ring.allgather(np.zeros(shape, dtype), np.empty((W, *shape), dtype))
+        with ring.answering():  # the announcer's debug-mode comparison came as an announcement of its own
+            if kind == "allreduce":
+                assert op is not None
+                ring.allreduce(_identity(shape, dtype, op), op)
+            elif kind == "reduce_scatter":
+                assert op is not None
+                rows = _identity((W, *shape), dtype, op)
+                ring.reduce_scatter(rows, rows[backend.rank], op)
+            else:  # allgather: zeros from this rank (join refuses the sharded optimizer, whose parameters these are)
+                ring.allgather(np.zeros(shape, dtype), np.empty((W, *shape), dtype))
 
     def _neutral_device(self, spec: tuple[Any, ...]) -> None:
         kind, send, recv, op, root = spec
@@ -317,7 +321,7 @@ def _describe(name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
         return None if buf is None else (tuple(buf.shape), str(buf.dtype))
 
     if name == "_check_call":
-        return args
+        return (*args, call_site())
     if name == "_barrier":
         return ()
     if name == "_allreduce":

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "describe",
     "resolve_debug",
     "resolve_timeout",
+    "site_as",
 ]
 
 DEFAULT_TIMEOUT = 300.0
@@ -149,8 +151,26 @@ def describe(kind: str, shape: Any = None, dtype: Any = None, op: Any = None, ro
     return f"{kind}({', '.join(parts)})"
 
 
+_SITE = threading.local()
+
+
+@contextlib.contextmanager
+def site_as(site: str) -> Iterator[None]:
+    """Inside: :func:`call_site` on this thread says ``site`` (a rank that answers another's call, as ``dml.join``'s
+    joined ranks do, compares it as made where the other made it)."""
+    before = getattr(_SITE, "site", None)
+    _SITE.site = site
+    try:
+        yield
+    finally:
+        _SITE.site = before
+
+
 def call_site() -> str:
     """``file.py:line in function`` of the first frame outside distutils_ml: where the user made the call."""
+    given = getattr(_SITE, "site", None)
+    if given is not None:
+        return given
     frame = sys._getframe(1)
     while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("distutils_ml"):
         frame = frame.f_back
