@@ -423,11 +423,7 @@ class BucketMachine(abc.ABC):
             return
         with exclusive(backend, self.caller):
             state = self._new_round(-1, self._begin(backend, now=True))
-            try:
-                self._flush(backend, state, overlap=False)
-            except BaseException:
-                self._settle_here()
-                raise
+            self._flush(backend, state, overlap=False)
             self._finish(backend, state)
 
     @torch.compiler.disable  # torch.compile around backward() runs the hooks as Python: collectives are not traced
@@ -536,18 +532,10 @@ class BucketMachine(abc.ABC):
         """Send what is left, wait, finish the round (which ran during a backward)."""
         try:
             if self.overlap:
-                try:
-                    self._flush(backend, state, overlap=True)
-                except BaseException:
-                    self._settle_in_flight()
-                    raise
+                self._flush(backend, state, overlap=True)
             else:
                 with exclusive(backend, self.caller):
-                    try:
-                        self._flush(backend, state, overlap=False)
-                    except BaseException:
-                        self._settle_here()
-                        raise
+                    self._flush(backend, state, overlap=False)
             self._finish(backend, state)
         finally:
             self._round = None
@@ -608,19 +596,27 @@ class BucketMachine(abc.ABC):
 
     def _flush(self, backend: Backend, state: Round, *, overlap: bool) -> None:
         """Send every bucket not sent yet, in order (their missing gradients count as zeros), then
-        what :meth:`_close` adds, then wait."""
-        while state.sent < len(self._buckets):
-            self._send(backend, state, state.sent, overlap=overlap)
-        last = self._close(backend, state)
-        if overlap:
-            worker = backend.comm_thread()
-            if last is not None:
-                worker.submit(last)
-            worker.wait()
-            for device, event in state.events:  # the next kernels on the autograd stream see the reduced gradients
-                torch.cuda.current_stream(device).wait_event(event)
-        elif last is not None:
-            last()
+        what :meth:`_close` adds, then wait. If that raises, the gloo calls left in flight are completed first
+        (where they were made): none may land later in buffers another round uses."""
+        try:
+            while state.sent < len(self._buckets):
+                self._send(backend, state, state.sent, overlap=overlap)
+            last = self._close(backend, state)
+            if overlap:
+                worker = backend.comm_thread()
+                if last is not None:
+                    worker.submit(last)
+                worker.wait()
+                for device, event in state.events:  # the next kernels on the autograd stream see the reduced grads
+                    torch.cuda.current_stream(device).wait_event(event)
+            elif last is not None:
+                last()
+        except BaseException:
+            if overlap:
+                self._settle_in_flight()
+            else:
+                self._settle_here()
+            raise
 
     def _send(self, backend: Backend, state: Round, k: int, *, overlap: bool) -> None:
         state.sent += 1

@@ -210,37 +210,36 @@ class GlooTransport:
     def _start(self, flight: _Flight, steps: Iterator[list[Any]], wait: bool) -> None:
         """Post the first exchange of a call (``steps``, a generator over its ring steps), queue it, and with
         ``wait`` complete every call in flight."""
-        kind, array, op, done = flight.kind, flight.array, flight.op, flight.done
         flight.steps = steps
         flight.tag = self._next_tag()
+        try:
+            self._post(flight)
+        except BaseException as e:
+            if flight.done is not None:
+                flight.done(e)
+            raise
+        self._flying.append(flight)
+        if wait or self._backend.observed:  # observed (dml.join): a rank that has run out of data makes each
+            self.settle()  # announced call whole before the next primitive, so none is left in flight here
+
+    def _post(self, flight: _Flight) -> None:
+        """Check the call (the transport whole; in debug mode, the same call on every rank) and post its first
+        exchange, as a primitive of the backend (``dml.join`` sees it); nothing waits here (:meth:`settle` does)."""
+        kind, array, op = flight.kind, flight.array, flight.op
         if self._broken is not None:
-            error = GlooTransportError(
+            raise GlooTransportError(
                 f"rank {self.rank}: the gloo transport of the gradient buckets is broken by an earlier failure "
                 f"({self._broken}); no bucket is sent after it. Restart the job (from a checkpoint)"
             )
-            if done is not None:
-                done(error)
-            raise error
         self.calls[kind] += 1
         # Debug mode: compared across ranks first, as the public collectives are (a mismatch raises on every rank
         # before anything is sent: the transport stays whole).
         if self._backend.debug and not self._answering:
-            try:
-                self._backend._check_call(kind, tuple(array.shape), str(array.dtype), op, -1)
-            except BaseException as e:
-                if done is not None:
-                    done(e)
-                raise
+            self._backend._check_call(kind, tuple(array.shape), str(array.dtype), op, -1)
         try:
-            # posted (nothing waits here: settle() does, watched), as a primitive of the backend: dml.join sees it
-            flight.works = self._backend._transport_call(kind, array, op, lambda: next(steps, None))
+            flight.works = self._backend._transport_call(kind, array, op, lambda: next(flight.steps, None))
         except BaseException as e:
-            if done is not None:
-                done(e)
             raise self._fail(kind, array, e) from e
-        self._flying.append(flight)
-        if wait or self._backend.observed:  # observed (dml.join): a rank that has run out of data makes each
-            self.settle()  # announced call whole before the next primitive, so none is left in flight here
 
     def _fail(self, kind: str, array: np.ndarray, e: BaseException) -> GlooTransportError:
         """Mark the transport broken by ``e`` (in ``kind``), abandon the calls in flight; the error to raise."""
