@@ -30,20 +30,26 @@ from ddp import MODELS, build_model  # benchmarks/ddp.py: the same models
 
 
 def instrument(calls: list[tuple[str, int, float, float]]) -> None:
-    """Record every transport call (kind, bytes, start, end) into ``calls``."""
+    """Record every transport call (kind, bytes, start, end) into ``calls``: from its post to its completion (a call
+    left in flight completes when the transport settles it). Bytes as the caller's buffer: a reduce-scatter's whole
+    bucket, an allgather's own part."""
     from distutils_ml.gloo import GlooTransport
 
-    for kind in ("allreduce", "reduce_scatter", "allgather"):
-        original = getattr(GlooTransport, kind)
+    original = GlooTransport._start
 
-        def timed(self: Any, *args: Any, _original: Any = original, _kind: str = kind) -> None:
-            start = time.perf_counter()
-            try:
-                _original(self, *args)
-            finally:
-                calls.append((_kind, int(args[0].nbytes), start, time.perf_counter()))
+    def timed(self: Any, flight: Any, *args: Any, **kwargs: Any) -> None:
+        kind, start = flight.kind, time.perf_counter()
+        nbytes = int(flight.array.nbytes) * (self.size if kind == "reduce_scatter" else 1)
 
-        setattr(GlooTransport, kind, timed)
+        def landed(error: BaseException | None, _done: Any = flight.done) -> None:
+            calls.append((kind, nbytes, start, time.perf_counter()))
+            if _done is not None:
+                _done(error)
+
+        flight.done = landed
+        original(self, flight, *args, **kwargs)
+
+    GlooTransport._start = timed
 
 
 def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
