@@ -13,7 +13,9 @@ The transport offers what the bucket machine needs (:func:`distutils_ml.buckets.
 
 - ``allreduce``: a reduce-scatter then an allgather around a ring over gloo's ``send``/``recv`` (every element
   reduced once, on one rank, then copied, so the result is bit-identical everywhere). gloo's own allreduce took
-  1.2-1.7x as long on a 10 Gbit/s, 0.1 ms link (4 KiB-64 MiB) and the same on a 1 Gbit/s, 1 ms one;
+  1.2-1.7x as long on a 10 Gbit/s, 0.1 ms link (4 KiB-64 MiB) and the same on a 1 Gbit/s, 1 ms one. Two ranks
+  swap the whole array in one exchange instead (the same bytes each way, one latency instead of two) and both
+  reduce it in the same order, rank 0's operand first (bit-identical on both);
 - ``reduce_scatter``: a ring over gloo's ``send``/``recv`` (gloo's own reduce-scatter costs about one allreduce
   per rank): W-1 steps, each rank sends and receives one W-th of the bucket per step, (W-1)/W in all;
 - ``allgather``: a ring over the same calls, W-1 steps, each passing on the row received last. gloo's own
@@ -26,9 +28,10 @@ fork, so a rank that dies closes its connections at once and its peers learn it 
 
 Calls may be left in flight (``wait=False``): their first exchange is posted and the call returns; :meth:`settle`
 completes them, oldest first, posting each one's later ring steps as the earlier land (the reduction of a step runs
-when its bytes have arrived). A call made while others are in flight posts its first exchange before they are
-waited for, so its bytes follow theirs on the link without the pause of a round trip between them (on a 1 Gbit/s,
-1 ms link each call waited for alone costs about a millisecond of idle link). Each call takes a block of tags in
+when its bytes have arrived; a call of one exchange, as every call between two ranks is, goes on alone). A call
+made while others are in flight posts its first exchange before they are waited for, so its bytes follow theirs on
+the link without the pause of a round trip between them (on a 1 Gbit/s, 1 ms link each call waited for alone costs
+about a millisecond of idle link). Each call takes a block of tags in
 the order calls are made, the same on every rank, one per ring step: an exchange pairs with the same call's step on
 its peers, whenever each rank settles its calls.
 
@@ -312,13 +315,25 @@ class GlooTransport:
     def _ring_allreduce(self, flight: _Flight, flat: np.ndarray, op: ReduceOp) -> Iterator[list[Any]]:
         """A reduce-scatter then an allgather around the ring, in place, over W parts of ``flat`` (sizes differ by
         at most one element): 2(W-1)/W of it sent and received per rank. Each part is reduced once, in ring order,
-        on one rank, then copied to the others: every rank gets the same bits. A generator, as above."""
+        on one rank, then copied to the others: every rank gets the same bits. A generator, as above.
+
+        Two ranks instead swap the whole array in one exchange (the same bytes each way) and both reduce it, rank 0's
+        operand first: one latency instead of two, and a call left in flight needs no ring step posted by
+        :meth:`settle` to go on."""
         W, r = self.size, self.rank
+        ufunc = _UFUNCS[op]
+        if W == 2:  # one exchange of the whole array each way (the ring's bytes, one latency, nothing to drive)
+            flight.scratch = self._scratch(flat.nbytes)
+            got = flight.scratch[: flat.nbytes].view(flat.dtype)
+            yield self._exchange(flat, 1 - r, got, 1 - r, flight.tag)
+            ufunc(*((flat, got) if r == 0 else (got, flat)), out=flat)  # rank 0's operand first on both: same bits
+            if op is ReduceOp.AVG:
+                np.divide(flat, W, out=flat)
+            return
         n = flat.size
         bounds = [k * n // W for k in range(W + 1)]
         part = [flat[bounds[k] : bounds[k + 1]] for k in range(W)]
         scratch = flight.scratch = self._scratch(max(bounds[k + 1] - bounds[k] for k in range(W)) * flat.itemsize)
-        ufunc = _UFUNCS[op]
         right, left = (r + 1) % W, (r - 1) % W
         for s in range(W - 1):  # reduce-scatter: part (r-s-1) goes right, part (r-s-2) comes from the left
             mine = part[(r - s - 2) % W]
