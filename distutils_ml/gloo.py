@@ -171,6 +171,8 @@ class GlooTransport:
                         flight.works = next(flight.steps, None)  # reduces what arrived, posts the next step
             except BaseException as e:
                 raise self._fail(flight.kind, flight.array, e) from e
+            if not self._flying or self._flying[0] is not flight:  # abandoned meanwhile: closed from another thread
+                raise GlooTransportError(f"rank {self.rank}: {self._broken} while a {flight.kind} was in flight")
             self._flying.popleft()
             self._release(flight)
             if flight.done is not None:
@@ -199,8 +201,13 @@ class GlooTransport:
             self._broken = "the transport was closed"
         self._abandon(GlooTransportError(f"rank {self.rank}: the gloo transport was closed"))
         _open.discard(self)
+        self._end_group()
+        self._store, self.sockets, self._free = None, {}, []
+
+    def _end_group(self) -> None:
+        """Shut the group down: its threads and connections end, and no exchange still posted lands later (in
+        buffers that calls abandoned with it held); peers in a call with this rank learn it at once."""
         group, self._group = self._group, None
-        self._store, self.sockets = None, {}
         if group is not None:
             with contextlib.suppress(Exception):
                 group.shutdown()
@@ -254,6 +261,7 @@ class GlooTransport:
             "have ended or be unreachable"
         )
         self._abandon(error)
+        self._end_group()
         return error
 
     def _abandon(self, error: BaseException) -> None:
@@ -261,9 +269,10 @@ class GlooTransport:
         flying, self._flying = list(self._flying), collections.deque()
         for flight in flying:
             flight.steps.close()
-            if flight.done is not None:
+            done, flight.done = flight.done, None  # told once
+            if done is not None:
                 with contextlib.suppress(Exception):
-                    flight.done(error)
+                    done(error)
 
     def _scratch(self, nbytes: int) -> np.ndarray:
         """A scratch buffer of ``nbytes`` that no call in flight holds (kept for reuse: fresh memory is slow to
