@@ -561,7 +561,7 @@ class BucketMachine(abc.ABC):
     def _reset_round(self) -> None:
         """Forget a round a failed backward left unfinished (after its sent buckets have gone, and its gloo calls
         left in flight have landed: none may land later in buffers another round uses)."""
-        if self._round is not None and self.backend is not None:
+        if self._round is not None and self.backend is not None and not self.backend.in_collective():
             self.backend.wait_for_comm_thread(errors=False)
         self._round = None
         self._settle_in_flight()
@@ -572,12 +572,19 @@ class BucketMachine(abc.ABC):
             self._ring.settle()
 
     def _settle_in_flight(self) -> None:
-        """After a round that failed part way: complete the gloo calls it left in flight, on the communication
-        thread (after its jobs; one job at a time), so that none lands later in buffers another round uses. A
-        failure there breaks the transport (every later call raises) and is not raised here."""
-        ring = self._ring
-        if ring is not None and ring.in_flight and self.backend is not None:
-            worker = self.backend.comm_thread()
+        """After a round that failed part way: complete the gloo calls it left in flight, so that none lands later
+        in buffers another round uses. On this thread where it holds the backend (it made them, and the
+        communication thread cannot run); else on the communication thread, after its queued jobs (which may post
+        more). A failure there breaks the transport (every later call raises) and is not raised here."""
+        ring, backend = self._ring, self.backend
+        if ring is None or backend is None:
+            return
+        if backend.in_collective():
+            self._settle_here()
+            return
+        backend.wait_for_comm_thread(errors=False)
+        if ring.in_flight:
+            worker = backend.comm_thread()
             worker.submit(ring.settle)
             worker.wait(errors=False)
 

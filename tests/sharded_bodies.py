@@ -619,9 +619,19 @@ def errors_body(backend: dml.Backend, overlap: bool) -> list[str]:
     # 6. state_dict() asked of rank 0 alone inside another collective (as dml.save does with what it writes).
     expect(lambda: run_on_root(backend, opt.state_dict), "Call opt.state_dict() on every rank")
     step()
+
+    # 7. A gradient set by hand with autograd history, on each parameter in turn (others plain), reduced by step()
+    # (no backward): raised where its bucket is filled, after the buckets before it went (over gloo one is left in
+    # flight, completed before the error: settling it on the communication thread, which waits for the backend
+    # step() holds, hung).
+    for culprit in model.parameters():
+        for p in model.parameters():
+            p.grad = torch.ones_like(p).requires_grad_() * 2 if p is culprit else torch.ones_like(p)
+        expect(opt.step, "the gradient of a parameter has autograd history")
+    step()
     replicas_identical(backend, torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist())
 
-    # 7. Ranks configured differently: every rank raises at the first backward.
+    # 8. Ranks configured differently: every rank raises at the first backward.
     other = TwoWay(1)
     odd = dml.DistributedOptimizer(
         backend, torch.optim.SGD(other.parameters(), lr=0.1), bucket_bytes=64 * (rank + 1), shard_state=True

@@ -152,7 +152,7 @@ def test_state_round_trip_of_the_memory_check(world: int) -> None:
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_errors_are_raised_on_every_rank(world: int, overlap: bool) -> None:
     seen = dml.LocalBackend.spawn(world, errors_body, overlap, timeout=60)
-    assert all(s == seen[0] for s in seen) and len(seen[0]) == (7 if world > 1 else 5), seen
+    assert all(s == seen[0] for s in seen) and len(seen[0]) == (10 if world > 1 else 8), seen
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
