@@ -290,14 +290,31 @@ class GradientReducer(BucketMachine):
         return tensor
 
     def _landed(self, state: Round, k: int) -> None:
-        """During a backward, with ``step_bucket``: step bucket ``k``'s parameters now, when their reduced
-        gradients are final here: every one had a gradient on this rank (else the header, which lands last, says
-        whether any rank had one), none has autograd history or a sparse gradient, and no rescaling is due.
-        Otherwise they are left to ``step()``."""
-        step = self.step_bucket
-        if step is None or state.task < 0 or self.scale != 1.0:
+        """During a backward, with ``step_bucket``: step bucket ``k``'s parameters when their reduced gradients are
+        final here: every one had a gradient on this rank (else the header, which lands last, says whether any rank
+        had one), none has autograd history or a sparse gradient, and no rescaling is due. Otherwise they are left
+        to ``step()``. Over gloo, where its allreduce is left in flight, it is stepped once the next bucket's call
+        has been posted (that completes it) or at the round's close: the next bucket never waits for a step."""
+        if self.step_bucket is None or state.task < 0 or self.scale != 1.0:
             return
-        self._settle()  # its allreduce, if left in flight
+        if self._ring is not None and self._ring.in_flight:
+            previous, state.landing = state.landing, k
+            if previous is not None:
+                self._step_landed(state, previous)
+            return
+        self._step_pending(state)
+        self._step_landed(state, k)
+
+    def _step_pending(self, state: Round) -> None:
+        """Step the bucket left landing, if any, once every call in flight has completed."""
+        k, state.landing = state.landing, None
+        if k is not None:
+            self._settle()
+            self._step_landed(state, k)
+
+    def _step_landed(self, state: Round, k: int) -> None:
+        step = self.step_bucket
+        assert step is not None
         bucket = self._buckets[k]
         idx = bucket.params
         if not idx or any(not state.has[i] or i in state.graphs or i in state.sparse_seen for i in idx):
@@ -327,14 +344,16 @@ class GradientReducer(BucketMachine):
             state.sparse_seen.add(i)
 
     def _close(self, backend: Backend, state: Round) -> Callable[[], None] | None:
-        """After the buckets: the last bucket's gloo allreduce completed (left in flight), then the gradients
-        reduced as sparse (gathered indices and values), in parameter order."""
-        if not self._sparse:
-            return None if self._ring is None else self._settle
+        """After the buckets: the gloo allreduces left in flight completed (and the bucket left landing stepped),
+        then the gradients reduced as sparse (gathered indices and values), in parameter order."""
+        if self._ring is None and not self._sparse:
+            return None
 
         def close() -> None:
             self._settle()
-            self._reduce_sparse(backend, state)
+            self._step_pending(state)
+            if self._sparse:
+                self._reduce_sparse(backend, state)
 
         return close
 

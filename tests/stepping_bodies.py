@@ -342,6 +342,50 @@ def no_hook_body(backend: dml.Backend, shard: bool, overlap: bool) -> None:
         _same_everywhere(backend, pairs)
 
 
+def landing_body(backend: dml.Backend, shard: bool, overlap: bool) -> str:
+    """Over gloo, a bucket's step during backward waits for no later bucket: it runs once the next bucket's call has
+    been posted (which completes its own), so a call is still in flight at every step of a backward but perhaps its
+    last (at the round's close, after every call has completed). Stepping each bucket as its call lands, before posting
+    the next one, left the link idle for the step. The results stay those of the plain optimizer's steps. (Not
+    unsharded with overlap, whose steps run on a thread of their own, at no fixed point of the calls.)"""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from distutils_ml.transport import transport_for
+
+    ring = transport_for(backend)
+    if ring is None:
+        return "no gloo transport"
+    torch.manual_seed(0)
+    model = dml.synchronize(backend, torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)]))
+    ref = copy.deepcopy(model)
+    opt = dml.DistributedOptimizer(
+        backend, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), bucket_bytes=0, shard_state=shard,
+        step_during_backward=True, overlap=overlap,
+    )  # fmt: skip
+    ref_opt = dml.DistributedOptimizer(  # the same buckets: the same order of sums on 3 ranks or more
+        backend, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), bucket_bytes=0, shard_state=shard
+    )
+    seen: list[int] = []
+    hook = register_optimizer_step_pre_hook(lambda *_: seen.append(ring.in_flight))
+    try:
+        for t in range(3):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * t + backend.rank))
+            del seen[:]
+            opt.zero_grad()
+            model(x).pow(2).sum().backward()
+            during = list(seen)
+            opt.step()
+            assert len(during) >= 3 and all(during[:-1]), (shard, overlap, during)
+            ref_opt.zero_grad()
+            ref(x).pow(2).sum().backward()
+            ref_opt.step()
+    finally:
+        hook.remove()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q), (shard, overlap, (p - q).abs().max())
+    return f"{len(during)} steps during backward"
+
+
 def reentrant_body(backend: dml.Backend, shard: bool) -> None:
     """The whole model inside ``checkpoint(use_reentrant=True)`` with overlap (odd ranks leave the side layer
     unused): the round is left open by the nested backward and completed by step()."""
