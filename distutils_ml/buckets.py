@@ -46,6 +46,7 @@ from distutils_ml.backends.base import Backend, ReduceOp
 from distutils_ml.gloo import GlooTransport
 from distutils_ml.objects import exclusive
 from distutils_ml.transport import transport_choice, transport_for
+from distutils_ml.watchdog import site_as
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -370,6 +371,21 @@ class BucketMachine(abc.ABC):
     def _init_rounds(self) -> None:
         self._round: Round | None = None
 
+    def _sited(self, job: Callable[[], None]) -> Callable[[], None]:
+        """``job`` run inside :meth:`_site` (on the communication thread)."""
+
+        def sited() -> None:
+            with self._site():
+                job()
+
+        return sited
+
+    def _site(self) -> contextlib.AbstractContextManager[None]:
+        """Inside: the round's collectives are made, for debug mode's comparison across ranks, at one call site,
+        wherever the round is driven from (a hook, the communication thread, ``step()``): a rank whose backward
+        reached no parameter reduces in ``step()`` what the others reduced in backward, and that is no mismatch."""
+        return site_as(f"the gradient reduction of {self.caller}")
+
     # -- what a subclass says ---------------------------------------------------------------
 
     @abc.abstractmethod
@@ -421,17 +437,22 @@ class BucketMachine(abc.ABC):
         completed instead: its buckets, some perhaps sent already, go as they would have at its end.
         """
         state = self._round
-        if state is not None and state.deferred and not state.skip:
-            self._complete(backend, state)
-            return
-        with exclusive(backend, self.caller):
-            state = self._new_round(-1, self._begin(backend, now=True))
-            self._flush(backend, state, overlap=False)
-            self._finish(backend, state)
+        with self._site():
+            if state is not None and state.deferred and not state.skip:
+                self._complete(backend, state)
+                return
+            with exclusive(backend, self.caller):
+                state = self._new_round(-1, self._begin(backend, now=True))
+                self._flush(backend, state, overlap=False)
+                self._finish(backend, state)
 
     @torch.compiler.disable  # torch.compile around backward() runs the hooks as Python: collectives are not traced
     def _hook(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: ``param.grad`` holds this backward's gradient."""
+        with self._site():
+            self._accumulated(param)
+
+    def _accumulated(self, param: torch.Tensor) -> None:
         backend = self.backend
         assert backend is not None
         task = torch._C._current_graph_task_id()
@@ -529,7 +550,8 @@ class BucketMachine(abc.ABC):
         if state.skip:
             self._round = None
             return
-        self._complete(backend, state)
+        with self._site():
+            self._complete(backend, state)
 
     def _complete(self, backend: Backend, state: Round) -> None:
         """Send what is left, wait, finish the round (which ran during a backward)."""
@@ -615,7 +637,7 @@ class BucketMachine(abc.ABC):
             if overlap:
                 worker = backend.comm_thread()
                 if last is not None:
-                    worker.submit(last)
+                    worker.submit(self._sited(last))
                 worker.wait()
                 for device, event in state.events:  # the next kernels on the autograd stream see the reduced grads
                     torch.cuda.current_stream(device).wait_event(event)
@@ -644,7 +666,7 @@ class BucketMachine(abc.ABC):
                 self._communicate(backend, k, tensor)
                 self._landed(state, k)
 
-            return job
+            return self._sited(job)
         # The gradient kernels run on the autograd stream: the bucket goes on a stream of its own after them.
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(tensor.device))
@@ -660,4 +682,4 @@ class BucketMachine(abc.ABC):
                 self._landed(state, k)
                 done.record(stream)
 
-        return run
+        return self._sited(run)
