@@ -345,8 +345,8 @@ class Round:
     skip: bool = False  # a backward that only accumulates (no_sync, backward_passes_per_step): nothing is sent
     nested: bool = False  # hooks came from a backward run inside a node of this one (reentrant checkpointing)
     deferred: bool = False  # the task that started it ended inside an outer backward, which finishes it
-    # step_during_backward over gloo: the bucket whose call was left in flight, stepped once the next bucket's call
-    # has been posted (which completes it) or at the round's close: the next bucket never waits for a step
+    # step_during_backward over gloo, unsharded: the bucket whose call was left in flight, stepped once the next
+    # bucket's call has been posted (which completes it) or at the round's close: the next bucket never waits for it
     landing: int | None = None
 
 

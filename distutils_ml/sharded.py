@@ -432,34 +432,20 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
             )
 
     def _landed(self, state: Round, k: int) -> None:
-        """With ``step_during_backward``: step this rank's pieces of bucket ``k`` once their reduced gradients are
+        """With ``step_during_backward``: step this rank's pieces of bucket ``k`` now if their reduced gradients are
         final (every parameter of the bucket had a gradient here, so none is left None on every rank by the header,
         which lands last), then allgather the bucket. On every rank and in every round (a backward's, or one
         ``step()`` runs), whatever happened here: the collectives go in the same order everywhere, each bucket's
         reduce-scatter, then its allgather. A step that raises is recorded (the header tells every rank); a bucket
         not stepped on every rank is stepped where it was not, and allgathered again, once the header has landed
-        (:meth:`_step_rest`). Over gloo, where its reduce-scatter is left in flight, the bucket is stepped once the
-        next bucket's reduce-scatter has been posted (that completes it) or at the round's close, and its allgather
-        goes while that reduce-scatter is still in flight: the next bucket never waits for a step."""
+        (:meth:`_step_rest`). Over gloo the bucket is stepped as soon as its reduce-scatter has landed, before the
+        next bucket's is posted: stepped once the next one had been posted, as the unsharded form does, its
+        allgather waited for the next bucket's gradients, and the 24 M-parameter model's step took 2-12 % longer
+        on the shaped links (docs/benchmarks/network.md)."""
         if not self._step_during_backward:
             return
-        if self._ring is not None and self._ring.in_flight:
-            previous, state.landing = state.landing, k
-            if previous is not None:
-                self._step_and_allgather(state, previous, keep=2)  # k's reduce-scatter and this allgather in flight
-            return
-        self._land_pending(state)
-        self._step_and_allgather(state, k, keep=1)
-
-    def _land_pending(self, state: Round) -> None:
-        """Step and allgather the bucket left landing, if any, once every call in flight has completed."""
-        k, state.landing = state.landing, None
-        if k is not None:
-            self._settle()
-            self._step_and_allgather(state, k, keep=1)
-
-    def _step_and_allgather(self, state: Round, k: int, *, keep: int) -> None:
         bucket = self._buckets[k]
+        self._settle()  # its reduce-scatter, if left in flight
         if self._step_failure is None and not state.changed and all(state.has[i] for i in bucket.params):
             pieces, members = self._by_bucket()[k]
             self._point_grads(pieces)
@@ -469,7 +455,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
                 self._stepped_here.add(k)
             except Exception as e:  # still allgathered below: the other ranks wait for this bucket
                 self._step_failure = e
-        self._allgather(bucket, pipelined=True, keep=keep)
+        self._allgather(bucket, pipelined=True)
 
     def _fill(self, state: Round, k: int) -> torch.Tensor:
         """Bucket ``k``'s gradients in place in the flat gradient buffer (zeros for the missing ones)."""
@@ -498,7 +484,6 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
 
         def header() -> None:  # after every bucket's job: what was stepped here is known
             if self._step_during_backward:
-                self._land_pending(state)
                 at = self._tail_at()
                 stepped = torch.tensor([k in self._stepped_here for k in range(len(self._buckets))], dtype=head.dtype)
                 head[:, at : at + len(self._buckets)] = stepped
@@ -538,21 +523,16 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         reduce_scatter(self._backend, rows, op)
 
     def _allgather(
-        self,
-        bucket: Bucket,
-        *,
-        pipelined: bool = False,
-        keep: int = 1,
-        done: Callable[[BaseException | None], None] | None = None,
+        self, bucket: Bucket, *, pipelined: bool = False, done: Callable[[BaseException | None], None] | None = None
     ) -> None:
         """Every rank's piece of ``bucket`` into every rank's flat parameter buffer (over gloo across hosts, where
-        ``pipelined`` leaves it in flight as :meth:`_reduce_scatter` says, with the ``keep - 1`` calls before it);
-        ``done`` is told when it has landed (None) or failed (the error)."""
+        ``pipelined`` leaves it in flight as :meth:`_reduce_scatter` says); ``done`` is told when it has landed
+        (None) or failed (the error)."""
         rows, rank, ring = bucket.values, self._backend.rank, self._ring
         array = ring_array(ring, rows, ReduceOp.SUM)
         if ring is not None and array is not None:
             ring.allgather(array[rank], array, wait=not pipelined, done=done)
-            ring.settle(keep=keep if pipelined else 0)
+            ring.settle(keep=1 if pipelined else 0)
             return
         try:
             self._settle()

@@ -35,7 +35,7 @@ def main(names: list[str]) -> None:
             + [guarded(sb.load_after_failed_round_body, world, shard) for shard in (False, True)]
             + [guarded(sb.failing_step_body, world, True), guarded(sb.failing_rest_body, world)]
             + [guarded(sb.unfinished_backward_body, world, shard, shard) for shard in (True, False)]
-            + [guarded(sb.landing_body, world, *form) for form in ((False, False), (True, False), (True, True))]
+            + [guarded(sb.landing_body, world)]
             + [guarded(sb.synchronize_body, world)]
             + [guarded(sb.sharded_agreement_body, world, s) for s in ("step_during_backward", "prefetch")]
         ),
