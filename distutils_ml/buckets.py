@@ -372,7 +372,9 @@ class BucketMachine(abc.ABC):
         self._round: Round | None = None
 
     def _sited(self, job: Callable[[], None]) -> Callable[[], None]:
-        """``job`` run inside :meth:`_site` (on the communication thread)."""
+        """``job`` run inside :meth:`_site` (on the communication thread); ``job`` itself outside debug mode."""
+        if not self._compares_sites():
+            return job
 
         def sited() -> None:
             with self._site():
@@ -383,8 +385,14 @@ class BucketMachine(abc.ABC):
     def _site(self) -> contextlib.AbstractContextManager[None]:
         """Inside: the round's collectives are made, for debug mode's comparison across ranks, at one call site,
         wherever the round is driven from (a hook, the communication thread, ``step()``): a rank whose backward
-        reached no parameter reduces in ``step()`` what the others reduced in backward, and that is no mismatch."""
+        reached no parameter reduces in ``step()`` what the others reduced in backward, and that is no mismatch.
+        Outside debug mode no call site is compared, and nothing is set (a hook runs per parameter)."""
+        if not self._compares_sites():
+            return contextlib.nullcontext()
         return site_as(f"the gradient reduction of {self.caller}")
+
+    def _compares_sites(self) -> bool:
+        return self.backend is not None and bool(self.backend.debug)
 
     # -- what a subclass says ---------------------------------------------------------------
 

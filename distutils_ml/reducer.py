@@ -306,10 +306,9 @@ class GradientReducer(BucketMachine):
         self._step_landed(state, k)
 
     def _step_pending(self, state: Round) -> None:
-        """Step the bucket left landing, if any, once every call in flight has completed."""
+        """Step the bucket left landing, if any (called with no call in flight: its own has completed)."""
         k, state.landing = state.landing, None
         if k is not None:
-            self._settle()
             self._step_landed(state, k)
 
     def _step_landed(self, state: Round, k: int) -> None:
