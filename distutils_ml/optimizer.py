@@ -31,7 +31,7 @@ from distutils_ml.optimizer_base import DataParallelOptimizer, Phase, check_spar
 from distutils_ml.reducer import GradientReducer, ranks_text
 from distutils_ml.sharded import ShardedOptimizer
 from distutils_ml.sharded_rules import check_steps_per_parameter
-from distutils_ml.stepping import BucketStepper, describe_positions
+from distutils_ml.stepping import BucketStepper, describe_positions, step_optimizer
 
 __all__ = ["BackwardReduction", "DistributedOptimizer", "allreduce_gradients", "reduce_gradients_in_backward"]
 
@@ -463,7 +463,7 @@ class DistributedOptimizer(DataParallelOptimizer):
                 )
             self._reduce()
         self._end_step()
-        return self.optimizer.step()
+        return step_optimizer(self.optimizer)
 
     def _finish_stepping(self, closure: Callable[[], Any] | None) -> None:
         """``step()`` after a backward that stepped buckets: step what is left, unless something changed the

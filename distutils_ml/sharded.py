@@ -76,7 +76,13 @@ from distutils_ml.sharded_clip import ShardedClipping
 from distutils_ml.sharded_layout import Bucket, Piece, build_layout
 from distutils_ml.sharded_rules import check_group, check_shardable, register_elementwise
 from distutils_ml.sharded_state import ShardedState
-from distutils_ml.stepping import describe_positions, hyper_parameters, same_hyper_parameters, step_groups
+from distutils_ml.stepping import (
+    describe_positions,
+    hyper_parameters,
+    same_hyper_parameters,
+    step_groups,
+    step_optimizer,
+)
 from distutils_ml.transport import transport_for
 
 __all__ = ["ShardedOptimizer"]
@@ -794,12 +800,12 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         self._point_grads(self._pieces)
         self._sync_hyper()
         if self._backend.size == 1:
-            self._inner.step()
+            step_optimizer(self._inner)
             return
         if self._ring is not None and self._overlap:
             self._step_and_allgather_by_bucket()
             return
-        self._inner.step()
+        step_optimizer(self._inner)
         with exclusive(self._backend, "DistributedOptimizer.step"):
             for b in self._buckets:
                 self._allgather(b, pipelined=True)

@@ -16,6 +16,8 @@ between, naming the parameters; a second reducing backward before ``step()`` rai
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import threading
 import weakref
 from typing import Any
@@ -24,7 +26,14 @@ import torch
 
 from distutils_ml.commthread import CommThread
 
-__all__ = ["BucketStepper", "describe_positions", "hyper_parameters", "same_hyper_parameters", "step_groups"]
+__all__ = [
+    "BucketStepper",
+    "describe_positions",
+    "hyper_parameters",
+    "same_hyper_parameters",
+    "step_groups",
+    "step_optimizer",
+]
 
 
 class BucketStepper:
@@ -116,10 +125,33 @@ def step_groups(optimizer: torch.optim.Optimizer, members: list[list[torch.Tenso
     try:
         for group, ps in zip(groups, members, strict=True):
             group["params"] = ps
-        optimizer.step()
+        step_optimizer(optimizer)
     finally:
         for group, ps in zip(groups, every, strict=True):
             group["params"] = ps
+
+
+def step_optimizer(optimizer: torch.optim.Optimizer) -> Any:
+    """``optimizer.step()``, never while Dynamo compiles on another thread of this process.
+
+    ``torch.compiler.is_compiling()`` is one flag for the whole process, set while any thread compiles, and
+    ``torch.optim`` reads it to choose its arithmetic (AdamW's bias corrections from the step count as a float32
+    tensor, not a Python float): a step taken meanwhile differs in the last bits from the same step taken at any
+    other time. So a rank whose step met a compilation (of its own main thread while the stepping thread steps,
+    or of another simulated rank on ``LocalBackend``) would end with a replica that differs from the others'.
+    The step holds Dynamo's compile lock, which every compilation holds. Not for a step with a closure: the
+    closure runs forward and backward, and communicates.
+    """
+    lock = _compile_lock()
+    with lock:
+        return optimizer.step()
+
+
+def _compile_lock() -> contextlib.AbstractContextManager[Any]:
+    """The lock that Dynamo holds while it compiles (a private name of torch: nothing to hold without it)."""
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")  # loaded by torch.compiler.disable, or unused
+    lock = getattr(convert_frame, "compile_lock", None)
+    return lock if lock is not None else contextlib.nullcontext()
 
 
 def hyper_parameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

@@ -7,6 +7,9 @@ overlap: the steps then run on the communication thread while later buckets are 
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -121,3 +124,52 @@ def test_stepping_during_backward_under_mpiexec(ranks: int, transport: str, debu
     job = run_mpi(ranks, ["tests/stepping_job.py"], timeout=240, envs=[env] * ranks)
     assert job.returncode == 0, job.output[-8000:]
     assert f"STEPPING CHECKS PASSED: equivalence errors on {ranks} ranks" in job.output, job.output[-8000:]
+
+
+def _adamw_run(backend: dml.Backend, shard: bool, during: bool) -> torch.Tensor:
+    """Three AdamW steps of a small MLP through DistributedOptimizer; the parameters after them."""
+    g = torch.Generator().manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = dml.DistributedOptimizer(
+        backend, adamw, bucket_bytes=1024, overlap=True, shard_state=shard, step_during_backward=during
+    )
+    data = torch.Generator().manual_seed(10 + dml.local_rank(backend))
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 6, generator=data)).pow(2).mean().backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize(("shard", "during"), [(False, False), (False, True), (True, False), (True, True)])
+def test_steps_taken_while_another_thread_compiles_are_the_same_bits(shard: bool, during: bool) -> None:
+    """torch.compiler.is_compiling() is one flag for the process, and torch.optim's AdamW computes its bias
+    corrections differently while it is set: a step taken while another thread compiles (another simulated rank,
+    or this rank's main thread while the stepping thread steps) must wait for the compilation, or the replicas
+    differ in the last bits (as tests/test_compile.py's whole-step case did, now and then, under load)."""
+    alone = dml.LocalBackend.spawn(2, _adamw_run, shard, during)
+    compiling, release = threading.Event(), threading.Event()
+
+    def blocking_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        compiling.set()  # Dynamo is inside its compilation: the flag is set, its lock held
+        release.wait(30)
+        return gm.forward
+
+    compiler = threading.Thread(target=torch.compile(lambda x: x * 3, backend=blocking_backend), args=(torch.ones(2),))
+    torch._dynamo.reset()
+    compiler.start()
+    try:
+        assert compiling.wait(30), "the compilation did not start"
+        assert torch.compiler.is_compiling(), "the flag this test is about is not set for other threads"
+        threading.Timer(1.0, release.set).start()  # the steps below take milliseconds: they meet the compilation
+        meanwhile = dml.LocalBackend.spawn(2, _adamw_run, shard, during)
+    finally:
+        release.set()
+        compiler.join(30)
+        torch._dynamo.reset()
+    for a, b in zip(alone, meanwhile, strict=True):
+        assert torch.equal(a, b), f"a step taken during a compilation differs by {float((a - b).abs().max())}"
