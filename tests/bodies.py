@@ -425,10 +425,11 @@ def raise_alone(backend: dml.Backend, culprit: int, calls: list[Any], good: Call
 
 
 def large_input(n: int, dtype: str, op: Any, rank: int) -> np.ndarray:
-    """Cheap rank-dependent data whose reductions are exact in ``dtype``."""
-    base = np.arange(n, dtype=np.int64)
-    v = (base + rank) % 2 + 1 if resolve_op(op) is dml.PROD else (base * 7 + rank * 3) % 11
-    return v.astype(dtype)
+    """Cheap rank-dependent data whose reductions are exact in ``dtype``: element i is ``(i + rank) % 2 + 1`` for
+    PROD, else ``(7 i + 3 rank) % 11``; made by repeating one period (a 64 MiB input in 0.01 s, not 0.9 s)."""
+    i = np.arange(2 if resolve_op(op) is dml.PROD else 11, dtype=np.int64)
+    period = (i + rank) % 2 + 1 if resolve_op(op) is dml.PROD else (i * 7 + rank * 3) % 11
+    return np.tile(period.astype(dtype), -(-n // len(period)))[:n]
 
 
 def large_body(backend: dml.Backend, n: int, dtype: str, op: Any, in_place: bool) -> None:

@@ -124,9 +124,9 @@ def large_body(backend: dml.Backend, n: int, dtype: str, op: Any, in_place: bool
     rank, size = dml.local_rank(backend), dml.total_workers(backend)
     rop = resolve_op(op)
 
-    def data(r: int, as_dtype: str) -> np.ndarray:
-        base = np.arange(size * n, dtype=np.int64).reshape(size, n)
-        return ((base * 7 + r * 3) % 11).astype(as_dtype)
+    def data(r: int, as_dtype: str) -> np.ndarray:  # element i of the flat rows: (7 i + 3 r) % 11, a period repeated
+        period = ((np.arange(11, dtype=np.int64) * 7 + r * 3) % 11).astype(as_dtype)
+        return np.tile(period, -(-size * n // 11))[: size * n].reshape(size, n)
 
     ufunc = {dml.SUM: np.add, dml.AVG: np.add, dml.MAX: np.maximum, dml.MIN: np.minimum}[rop]
     exp = data(0, "float64")[rank]
