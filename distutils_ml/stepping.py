@@ -149,7 +149,7 @@ def step_optimizer(optimizer: torch.optim.Optimizer) -> Any:
 
 def _compile_lock() -> contextlib.AbstractContextManager[Any]:
     """The lock that Dynamo holds while it compiles (a private name of torch: nothing to hold without it)."""
-    convert_frame = sys.modules.get("torch._dynamo.convert_frame")  # not loaded: nothing compiles in this process
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")  # loaded by torch.compiler.disable, or unused
     lock = getattr(convert_frame, "compile_lock", None)
     return lock if lock is not None else contextlib.nullcontext()
 
