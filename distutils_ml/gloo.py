@@ -24,7 +24,12 @@ The transport offers what the bucket machine needs (:func:`distutils_ml.buckets.
   ran at half the link's rate; the ring moves the same bytes at the link's rate.
 
 Its sockets are this process's only: a forked child (a DataLoader worker) has them replaced by ``/dev/null`` at the
-fork, so a rank that dies closes its connections at once and its peers learn it then, not when its workers end.
+fork, so a rank that dies closes its connections at once, not when its workers end. Every rank watches the next one's
+connection (``_Watch``): a receive on a tag of its own, posted at setup, that a thread waits for. A transport that ends
+on purpose (closed, failed, or collected) first completes its watcher's receive; a rank that dies fails it at once
+(gloo sees the connection close), and the watcher names that rank and its host and ends the job, whatever its own
+ranks are doing (between two steps, say: no call of theirs would fail until the next one, and a launcher such as
+SLURM may end the job first, naming nobody). Any set of ranks short of all has a watcher left.
 :meth:`GlooTransport.close` (called by :meth:`Backend.close`, and at exit) ends the group, its threads and sockets.
 
 Calls may be left in flight (``wait=False``): their first exchange is posted and the call returns; :meth:`settle`
@@ -52,6 +57,7 @@ import os
 import re
 import socket
 import struct
+import threading
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
@@ -61,6 +67,7 @@ import numpy as np
 import torch
 
 from distutils_ml.backends.base import Backend, ReduceOp
+from distutils_ml.watchdog import before_abort, report_and_abort
 
 __all__ = ["GlooTransport", "GlooTransportError", "connect_gloo", "interface_addresses"]
 
@@ -78,12 +85,25 @@ class GlooTransport:
     """A gloo process group over a backend's ranks, for gradient buckets (the module's docstring)."""
 
     def __init__(
-        self, backend: Backend, group: Any, where: str, store: Any, sockets: dict[int, str], *, peers: dict[str, str]
+        self,
+        backend: Backend,
+        group: Any,
+        where: str,
+        store: Any,
+        sockets: dict[int, str],
+        *,
+        peers: dict[str, str],
+        watched: str,
     ) -> None:
         self.size = backend.size
         self.rank = backend.rank
         self._backend = weakref.proxy(backend)  # the backend keeps its transport (transport_for), not the reverse
         self._group = group
+        # Watch the next rank's connection (a thread, ended with the group); the finalizer ends the group, even for
+        # a transport collected unclosed (its watcher is told first, so it is not taken for a rank that died).
+        self._watch = _Watch(group, self.rank, self.size, watched, backend.MPI)
+        self._ender = weakref.finalize(self, _end, group, self._watch)
+        self._ender.atexit = False  # at exit _close_all closes it, before MPI is finalized
         self._store = store  # the rendezvous store lives as long as the group
         #: The group's and the store's sockets in this process: descriptor -> ``socket:[inode]``.
         self.sockets = sockets
@@ -208,13 +228,8 @@ class GlooTransport:
     def _end_group(self) -> None:
         """Shut the group down: its threads and connections end, and no exchange still posted lands later (in
         buffers that calls abandoned with it held); peers in a call with this rank learn it at once."""
-        group, self._group = self._group, None
-        if group is not None:
-            with contextlib.suppress(Exception):
-                group.shutdown()
-            with contextlib.suppress(Exception):
-                group.abort()
-            del group
+        self._group = None
+        self._ender()
 
     # -- machinery ----------------------------------------------------------------------------------------------
 
@@ -391,6 +406,63 @@ class GlooTransport:
         return self._tag
 
 
+def _end(group: Any, watch: _Watch) -> None:
+    """End a transport's group (once: its finalizer): its watcher told, its own watch released, then shut down."""
+    watch.end(group)
+    with contextlib.suppress(Exception):
+        group.shutdown()
+    with contextlib.suppress(Exception):
+        group.abort()
+
+
+class _Watch:
+    """This rank's watch on the next rank's connection (the module's docstring).
+
+    A receive from the next rank on ``_WATCH_TAG``, posted at setup; a thread waits for it. The next rank completes
+    it when its transport ends on purpose (:meth:`end`); gloo fails it as soon as that rank's connections close
+    otherwise, and the thread prints who ended and aborts the job. gloo's own timeout does not apply (a timed-out
+    receive would break the group), and a failure this rank's own group made (a call's timeout breaks every pending
+    receive of the group) is left to the call that timed out."""
+
+    def __init__(self, group: Any, rank: int, size: int, named: str, MPI: Any) -> None:
+        self.rank, self.ending = rank, False
+        self.watched, self.watcher = (rank + 1) % size, (rank - 1) % size
+        work = group.recv([torch.zeros(1)], self.watched, _WATCH_TAG)
+        self._thread = threading.Thread(
+            target=self._wait, args=(work, named, MPI), name=f"dml-gloo-watch-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _wait(self, work: Any, named: str, MPI: Any) -> None:
+        try:
+            work.wait(_WATCH_WAIT)  # completed: the next rank's transport ended on purpose
+        except Exception as e:
+            if self.ending or _LOCAL_TIMEOUT in str(e):
+                return
+            report_and_abort(
+                MPI,
+                self.rank,
+                f"{named} ended (killed or crashed) or lost its link: its gloo connection closed while its transport "
+                f"was open ({type(e).__name__}: {e}). Look at that host's log and output",
+            )
+
+    def tell(self, group: Any, wait: datetime.timedelta | None = None) -> None:
+        """Tell this rank's watcher that this rank's transport ends on purpose (once)."""
+        if not self.ending:
+            self.ending = True
+            with contextlib.suppress(Exception):  # the watcher's transport may have ended already: nothing to tell
+                group.send([torch.zeros(1)], self.watcher, _WATCH_TAG).wait(wait or _GOODBYE_WAIT)
+
+    def end(self, group: Any) -> None:
+        """Tell this rank's watcher (:meth:`tell`), release this rank's own watch, and wait for its thread."""
+        self.tell(group)
+        if self._thread.is_alive():  # a receive timed out fails every pending one of the group, the watch's too
+            with contextlib.suppress(Exception):
+                group.recv([torch.zeros(1)], self.watched, _WATCH_TAG + 1).wait(datetime.timedelta(milliseconds=1))
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+
 class _Flight:
     """A call in flight: ``steps`` posts each ring step's exchange and yields its ``works`` (None once done);
     ``scratch``, the buffer it holds; ``done``, told when it completes (None) or fails (the error)."""
@@ -404,6 +476,13 @@ class _Flight:
         self.scratch: np.ndarray | None = None
         self.tag = 0  # its first exchange's
 
+
+# The watch's tags: above every call's block (_next_tag keeps those below 2**30).
+_WATCH_TAG = 1 << 30
+_WATCH_WAIT = datetime.timedelta(days=3650)  # never, in effect (the default would be gloo's timeout)
+_GOODBYE_WAIT = datetime.timedelta(seconds=5)
+_ABORT_GOODBYE_WAIT = datetime.timedelta(seconds=1)
+_LOCAL_TIMEOUT = "Application timeout"  # gloo's word for a pending receive failed by this group's own timeout
 
 # Two ranks' allreduce goes in pieces of at least _PIECE_BYTES, _PIECES at most (each piece takes a tag).
 _PIECE_BYTES = 4 << 20
@@ -473,11 +552,13 @@ def connect_gloo(backend: Backend, hosts: list[str], ifname_env: str) -> tuple[G
     for k, (_, a) in enumerate(outcome):
         at.setdefault(a, []).append(k)
     peers = {a: f"rank(s) {ks} on {', '.join(dict.fromkeys(hosts[k] for k in ks))}" for a, ks in at.items()}
-    transport = GlooTransport(backend, group, address, store, mine, peers=peers)
+    watched = f"rank {(r + 1) % W} on {hosts[(r + 1) % W]}"
+    transport = GlooTransport(backend, group, address, store, mine, peers=peers, watched=watched)
     _open.add(transport)
     if not _hooks:  # once per process
         _hooks.append(True)
         atexit.register(_close_all)  # after mpi4py's finalizer was registered: runs before it
+        before_abort(_tell_watchers)
         os.register_at_fork(after_in_child=_drop_in_child)
     return transport, ""
 
@@ -491,6 +572,15 @@ def _close_all() -> None:
     """At exit: close every transport while the interpreter is whole."""
     for transport in list(_open):
         transport.close()
+
+
+def _tell_watchers() -> None:
+    """Before this rank aborts the job: every open transport tells its watcher, which then does not report this
+    rank as one that died (the rank that aborts has said why)."""
+    for transport in list(_open):
+        group = transport._group
+        if group is not None:
+            transport._watch.tell(group, _ABORT_GOODBYE_WAIT)
 
 
 def _sockets() -> dict[int, str]:

@@ -29,14 +29,16 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = [
     "CollectiveMismatchError",
     "StallError",
+    "before_abort",
     "call_site",
     "describe",
+    "report_and_abort",
     "resolve_debug",
     "resolve_timeout",
     "site_as",
@@ -68,7 +70,28 @@ def abort_job(MPI: Any, code: int = 1) -> None:
             libc.signal.restype = ctypes.c_void_p
             libc.signal(signal.SIGALRM, None)  # SIG_DFL, process-wide, callable from any thread
             libc.alarm(ABORT_GRACE + math.ceil(delay))
+    for callback in list(_BEFORE_ABORT):  # under the alarm too
+        with contextlib.suppress(Exception):
+            callback()
     MPI.COMM_WORLD.Abort(code)
+
+
+#: Called by :func:`abort_job` before it aborts (the gloo transports tell their watchers that this rank ends on
+#: purpose, so that its peers do not report it as a rank that died).
+_BEFORE_ABORT: list[Callable[[], None]] = []
+
+
+def before_abort(callback: Callable[[], None]) -> None:
+    """Have :func:`abort_job` call ``callback()`` before it aborts (errors ignored; keep it short)."""
+    _BEFORE_ABORT.append(callback)
+
+
+def report_and_abort(MPI: Any, rank: int, message: str) -> None:
+    """Print ``message`` with the rank, then :func:`abort_job` (from any thread)."""
+    prefix = f"[rank {rank}] distutils_ml:"
+    sys.stderr.write(f"{prefix} {message}\n{prefix} aborting the job\n")
+    sys.stderr.flush()
+    abort_job(MPI)
 
 
 def _number(text: str) -> float:

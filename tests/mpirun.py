@@ -92,8 +92,10 @@ def run_mpi(
     timeout: float = 240,
     runner: tuple[str, ...] = (),
     envs: list[dict[str, str]] | None = None,
+    *,
+    options: tuple[str, ...] = (),
 ) -> Job:
-    """Run ``mpiexec -n n python [runner] args...``; a hang becomes a test failure after ``timeout`` s.
+    """Run ``mpiexec [options] -n n python [runner] args...``; a hang becomes a test failure after ``timeout`` s.
 
     ``timeout`` is cut to end before pytest's timeout of the test (``time_left``); on a hang every
     rank dumps its Python stack (the job scripts register faulthandler for SIGUSR1), every process
@@ -104,7 +106,7 @@ def run_mpi(
     """
     exe = mpiexec()
     assert exe is not None
-    cmd = [exe]
+    cmd = [exe, *options]
     if n > (os.cpu_count() or 1):
         cmd.append("--oversubscribe")
     program = [sys.executable, *runner, *args]

@@ -7,6 +7,9 @@ backward across nodes runs over it.
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 
 import distutils_ml as dml
@@ -58,6 +61,25 @@ def test_dataloader_workers_do_not_hold_the_transports_sockets(ranks: int) -> No
     job = run_mpi(ranks, ["tests/transport_job.py", "fork"], envs=envs, timeout=120)
     assert job.returncode == 0, job.output[-8000:]
     assert job.output.count("workers hold no transport socket") == ranks, job.output[-8000:]
+
+
+@requires_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_rank_killed_between_calls_ends_the_job_at_once_naming_it(ranks: int) -> None:
+    # --enable-recovery: mpiexec lets the job go on without the rank (as srun may, for a while), so only the
+    # library ends it; the stall watchdog's timeout is far away, and the peers sleep 30 s before their next call.
+    envs = [{"DML_TRANSPORT": "gloo", "DML_TIMEOUT": "60"}] * ranks
+    job = run_mpi(ranks, ["tests/transport_job.py", "dies"], envs=envs, timeout=120, options=("--enable-recovery",))
+    ended = time.time()
+    assert job.returncode != 0, job.output[-8000:]
+    assert "NOT ENDED" not in job.output, job.output[-8000:]
+    named = re.search(r"\[rank 0\] distutils_ml: rank 1 on \S+ ended \(killed or crashed\)", job.output)
+    assert named, job.output[-8000:]
+    assert job.output.count("ended (killed or crashed)") == 1, job.output[-8000:]  # the ranks that abort say so
+    killed = re.search(r"KILLED AT (\S+)", job.output)
+    assert killed, job.output[-8000:]
+    after = ended - float(killed.group(1))
+    assert after < 10, f"the job ended {after:.1f} s after rank 1 was killed:\n{job.output[-8000:]}"
 
 
 @requires_mpi

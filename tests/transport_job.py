@@ -6,7 +6,8 @@ buffer (hypothesis: sizes, dtypes, ops), bit-identical on every rank; ``inflight
 completed at different points on different ranks; ``buckets``: the gradient buckets of a
 model going over it. ``agree``: ``DML_TRANSPORT`` set differently on the ranks is a ValueError on every
 rank. ``broken``: a failed call breaks the transport on every rank. ``bucket_fails`` (must end the job): a
-rank's bucket fails mid-backward. Rank 0 ends with ``TRANSPORT CHECKS PASSED``.
+rank's bucket fails mid-backward. ``dies`` (must end the job): a rank killed while its peers are in no call. Rank 0
+ends with ``TRANSPORT CHECKS PASSED``.
 """
 
 from __future__ import annotations
@@ -423,6 +424,28 @@ def fork_body(world: dml.Backend) -> str:
     return "workers hold no transport socket"
 
 
+def dies_body(world: dml.Backend) -> None:
+    """Rank 1 is killed between two steps, its DataLoader worker alive, while its peers are in no call (asleep):
+    they end the job at once, naming it, not at their next call (the job runs under ``--enable-recovery``, so
+    mpiexec does not end it itself)."""
+    import time
+
+    model = dml.synchronize(world, torch.nn.Linear(8, 2))
+    opt = dml.DistributedOptimizer(world, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert transport_for(world) is not None
+    loader = torch.utils.data.DataLoader(list(range(4)), batch_size=1, num_workers=1, persistent_workers=True)
+    batches = iter(loader)
+    next(batches)
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    dml.barrier(world)
+    if world.rank == 1:
+        print(f"[rank 1] KILLED AT {time.time():.3f}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(30)
+    print(f"[rank {world.rank}] NOT ENDED 30 s after rank 1 died", flush=True)
+
+
 def main(names: list[str]) -> None:
     faulthandler.register(signal.SIGUSR1)  # the test runner asks for stacks before killing a hung job
     dml.initialize(dml.MPIBackend)
@@ -438,6 +461,7 @@ def main(names: list[str]) -> None:
         "fallback": lambda: dml.print(world, fallback_body(world)),
         "close": lambda: dml.print(world, close_body(world)),
         "fork": lambda: dml.print(world, fork_body(world)),
+        "dies": lambda: dies_body(world),
     }
     run_checks(world, names, "TRANSPORT CHECKS PASSED", lambda name: checks[name]())
 

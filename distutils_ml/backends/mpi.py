@@ -32,9 +32,9 @@ from distutils_ml.backends.failfast import check_not_split_by_launcher, install_
 from distutils_ml.watchdog import (
     CollectiveMismatchError,
     MPIWatchdog,
-    abort_job,
     call_site,
     describe,
+    report_and_abort,
     resolve_debug,
     resolve_timeout,
 )
@@ -503,11 +503,8 @@ class MPIBackend(Backend):
             self._inflight = None
 
     def _abort(self, message: str) -> NoReturn:
-        prefix = f"[rank {self._rank}] distutils_ml:"
-        sys.stderr.write(f"{prefix} {message}\n{prefix} aborting the job\n")
-        sys.stderr.flush()
-        abort_job(self._MPI)
-        raise SystemExit(1)  # not reached: abort_job ends the process
+        report_and_abort(self._MPI, self._rank, message)
+        raise SystemExit(1)  # not reached: the abort ends the process
 
     def _device_collective(self, kind: str, send: Any, recv: Any, op: ReduceOp | None, root: int) -> None:
         """CUDA buffers handed to a CUDA-aware MPI, after the current stream is synchronized."""
