@@ -439,11 +439,15 @@ class _Watch:
         except Exception as e:
             if self.ending or _LOCAL_TIMEOUT in str(e):
                 return
+            # Said at once (a launcher may end the job any moment now), the abort a moment later: a rank whose own
+            # gloo call timed out closes its connections too, and says why in that moment.
             report_and_abort(
                 MPI,
                 self.rank,
-                f"{named} ended (killed or crashed) or lost its link: its gloo connection closed while its transport "
-                f"was open ({type(e).__name__}: {e}). Look at that host's log and output",
+                f"{named} ended (killed or crashed), lost its link, or failed in a gloo call of its own: its gloo "
+                f"connection closed while its transport was open ({type(e).__name__}: {e}). Look at that rank's "
+                "output and its host's log",
+                grace=_REPORT_GRACE_S,
             )
 
     def tell(self, group: Any, wait: datetime.timedelta | None = None) -> None:
@@ -482,6 +486,7 @@ _WATCH_TAG = 1 << 30
 _WATCH_WAIT = datetime.timedelta(days=3650)  # never, in effect (the default would be gloo's timeout)
 _GOODBYE_WAIT = datetime.timedelta(seconds=5)
 _ABORT_GOODBYE_WAIT = datetime.timedelta(seconds=1)
+_REPORT_GRACE_S = 1.0  # from a watcher's report to its abort
 _LOCAL_TIMEOUT = "Application timeout"  # gloo's word for a pending receive failed by this group's own timeout
 
 # Two ranks' allreduce goes in pieces of at least _PIECE_BYTES, _PIECES at most (each piece takes a tag).

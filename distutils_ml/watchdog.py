@@ -86,10 +86,14 @@ def before_abort(callback: Callable[[], None]) -> None:
     _BEFORE_ABORT.append(callback)
 
 
-def report_and_abort(MPI: Any, rank: int, message: str) -> None:
-    """Print ``message`` with the rank, then :func:`abort_job` (from any thread)."""
+def report_and_abort(MPI: Any, rank: int, message: str, grace: float = 0.0) -> None:
+    """Print ``message`` with the rank, then, ``grace`` seconds later, :func:`abort_job` (from any thread)."""
     prefix = f"[rank {rank}] distutils_ml:"
-    sys.stderr.write(f"{prefix} {message}\n{prefix} aborting the job\n")
+    sys.stderr.write(f"{prefix} {message}\n")
+    sys.stderr.flush()
+    if grace > 0:
+        time.sleep(grace)
+    sys.stderr.write(f"{prefix} aborting the job\n")
     sys.stderr.flush()
     abort_job(MPI)
 
