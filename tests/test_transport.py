@@ -49,9 +49,11 @@ def test_a_bucket_failing_mid_backward_ends_the_job_before_any_step(ranks: int) 
 
 @requires_mpi
 def test_closing_100_backends_with_transports_leaks_no_descriptor_or_thread() -> None:
-    job = run_mpi(2, ["tests/transport_job.py", "close"], envs=[{"DML_TRANSPORT": "gloo"}] * 2, timeout=180)
+    checks = ["tests/transport_job.py", "close", "collected"]
+    job = run_mpi(2, checks, envs=[{"DML_TRANSPORT": "gloo"}] * 2, timeout=180)
     assert job.returncode == 0, job.output[-8000:]
     assert job.output.count("100 backends closed, nothing left open") == 2, job.output[-8000:]
+    assert job.output.count("a transport collected unclosed was not taken for a rank that died") == 2, job.output
 
 
 @requires_mpi

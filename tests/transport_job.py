@@ -372,6 +372,28 @@ def close_body(world: dml.Backend, loops: int = 100) -> str:
     return f"{loops} backends closed, nothing left open"
 
 
+def collected_body(world: dml.Backend) -> str:
+    """A transport dropped unclosed on rank 1 alone (forgotten by its backend, as when a backend is collected) is
+    collected and tells its watcher first, so its peers, in no call for a while, do not take it for a rank that died
+    (the watcher would end the job at once)."""
+    import time
+    import weakref
+
+    from distutils_ml import transport
+
+    backend = world.duplicate()
+    ring = weakref.ref(transport_for(backend))
+    assert ring() is not None
+    dml.barrier(world)
+    if world.rank == 1:
+        transport._TRANSPORTS.pop(backend)
+        gc.collect()
+        assert ring() is None, "the dropped transport was not collected"
+    time.sleep(3)
+    dml.barrier(world)
+    return "a transport collected unclosed was not taken for a rank that died"
+
+
 def _inherited_sockets(_: int) -> list[str]:
     """In a DataLoader worker: the sockets this process holds."""
     found = []
@@ -462,6 +484,7 @@ def main(names: list[str]) -> None:
         "close": lambda: dml.print(world, close_body(world)),
         "fork": lambda: dml.print(world, fork_body(world)),
         "dies": lambda: dies_body(world),
+        "collected": lambda: collected_body(world),
     }
     run_checks(world, names, "TRANSPORT CHECKS PASSED", lambda name: checks[name]())
 
