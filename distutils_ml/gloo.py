@@ -76,6 +76,14 @@ _NO_TIMEOUT_S = 1800.0  # the stall timeout turned off (0): gloo's default
 _AFTER_WATCHDOG_S = 10.0
 TIMEOUT_ENV = "DML_GLOO_TIMEOUT"
 
+# The watch's tags: above every call's block (_next_tag keeps those below 2**30).
+_WATCH_TAG = 1 << 30
+_WATCH_WAIT = datetime.timedelta(days=3650)  # never, in effect (the default would be gloo's timeout)
+_GOODBYE_WAIT = datetime.timedelta(seconds=5)
+_ABORT_GOODBYE_WAIT = datetime.timedelta(seconds=1)
+_REPORT_GRACE_S = 1.0  # from a watcher's report to its abort
+_LOCAL_TIMEOUT = "Application timeout"  # gloo's word for a pending receive failed by this group's own timeout
+
 
 class GlooTransportError(RuntimeError):
     """A transport call failed, or an earlier one did on this rank (the transport is then broken)."""
@@ -450,12 +458,12 @@ class _Watch:
                 grace=_REPORT_GRACE_S,
             )
 
-    def tell(self, group: Any, wait: datetime.timedelta | None = None) -> None:
+    def tell(self, group: Any, wait: datetime.timedelta = _GOODBYE_WAIT) -> None:
         """Tell this rank's watcher that this rank's transport ends on purpose (once)."""
         if not self.ending:
             self.ending = True
             with contextlib.suppress(Exception):  # the watcher's transport may have ended already: nothing to tell
-                group.send([torch.zeros(1)], self.watcher, _WATCH_TAG).wait(wait or _GOODBYE_WAIT)
+                group.send([torch.zeros(1)], self.watcher, _WATCH_TAG).wait(wait)
 
     def end(self, group: Any) -> None:
         """Tell this rank's watcher (:meth:`tell`), release this rank's own watch, and wait for its thread."""
@@ -480,14 +488,6 @@ class _Flight:
         self.scratch: np.ndarray | None = None
         self.tag = 0  # its first exchange's
 
-
-# The watch's tags: above every call's block (_next_tag keeps those below 2**30).
-_WATCH_TAG = 1 << 30
-_WATCH_WAIT = datetime.timedelta(days=3650)  # never, in effect (the default would be gloo's timeout)
-_GOODBYE_WAIT = datetime.timedelta(seconds=5)
-_ABORT_GOODBYE_WAIT = datetime.timedelta(seconds=1)
-_REPORT_GRACE_S = 1.0  # from a watcher's report to its abort
-_LOCAL_TIMEOUT = "Application timeout"  # gloo's word for a pending receive failed by this group's own timeout
 
 # Two ranks' allreduce goes in pieces of at least _PIECE_BYTES, _PIECES at most (each piece takes a tag).
 _PIECE_BYTES = 4 << 20
