@@ -107,6 +107,9 @@ class Slurm:
             "AccountingStorageType=accounting_storage/none\nSelectType=select/cons_tres\n"
             "SelectTypeParameters=CR_Core\nSlurmdParameters=config_overrides\nMpiDefault=none\n"
             "ReturnToService=2\nKillWait=5\nSlurmdTimeout=10\nMessageTimeout=5\nInactiveLimit=0\nGresTypes=gpu\n"
+            # The main scheduler over every pending job each second (default 60 s): a requeued job, held until its
+            # credential expires, starts once it may, not at the next full pass. A submitted job starts at once anyway.
+            "SchedulerParameters=sched_interval=1\n"
             f"{nodes}PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP\n"
         )
         for host in c.hosts:
@@ -161,7 +164,7 @@ class Slurm:
             self.command(["scontrol", "update", f"nodename={host}", "state=resume"], check=False)
             if self._idle():
                 return
-            time.sleep(1)
+            time.sleep(0.25)
         raise RuntimeError(f"{host} did not come back: {self.command(['sinfo'], check=False).stdout}")
 
     def wait_idle(self, timeout: float = 60) -> None:

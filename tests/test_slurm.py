@@ -305,14 +305,17 @@ def test_a_requeued_batch_job_resumes_from_its_checkpoint(slurm_2x2: slurm.Slurm
     through, requeued = tmp_path / "through", tmp_path / "requeued"
     through.mkdir()
     requeued.mkdir()
-    plain = _sbatch(s, TEMPLATE, tmp_path / "through.out", "none", str(through), env=env)
-    state, _ = _wait(s, plain, 120)
-    assert state == "COMPLETED", (state, (tmp_path / "through.out").read_text()[-4000:])
     out = tmp_path / "requeued.out"
     job = _sbatch(s, TEMPLATE, out, "kill-node", str(requeued), env=env, sbatch=("--requeue", "--open-mode=append"))
     _until(out, "KILL MY NODE", 120)  # step 10: the checkpoint of step 8 is written (it goes on slowly)
     asked = time.time()
     s.command(["scontrol", "requeue", job])
+    # SLURM holds the requeued job back until its credential expires (cred_expire + 1 = 11 s here): the job that
+    # runs through runs meanwhile, on the nodes the requeued one left; the requeued one starts when it may and they
+    # are free again.
+    plain = _sbatch(s, TEMPLATE, tmp_path / "through.out", "none", str(through), env=env)
+    state, _ = _wait(s, plain, 120)
+    assert state == "COMPLETED", (state, (tmp_path / "through.out").read_text()[-4000:])
     state, _ = _wait(s, job, 240, requeued=True)
     text = out.read_text(errors="replace")
     assert state == "COMPLETED", f"{state}\n{text[-6000:]}\n{s.logs()}"
@@ -322,5 +325,6 @@ def test_a_requeued_batch_job_resumes_from_its_checkpoint(slurm_2x2: slurm.Slurm
     assert "FINISHED at step 24 on 4 ranks" in text, text[-6000:]  # 192 samples, 4 ranks of 4: 12 steps an epoch
     print(
         f"requeued at step >= 10: resumed from step {resumed.group(2)}, {float(resumed.group(1)) - asked:.1f} s later"
+        " (the job that runs through held the nodes meanwhile)"
     )
     assert np.array_equal(np.load(through / "final.npy"), np.load(requeued / "final.npy"))
