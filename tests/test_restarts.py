@@ -83,6 +83,14 @@ def _launch(c: cluster.Cluster, ranks: int, extra: list[str], fault: str, where:
     return c.run(argv, timeout=200, env={"DML_TIMEOUT": str(STALL)}, cwd=ROOT, **kw)  # type: ignore[arg-type]
 
 
+def _plain(c: cluster.Cluster, ranks: int, where: Path) -> cluster.Run:
+    """The job without a fault, by ``mpiexec`` itself, on the same nodes with the same settings (a run that never
+    fails needs no launcher, and skips its start-up: it imports the library): the parameters a restart must end at."""
+    argv = [*c.mpiexec_argv(ranks), "-x", f"PYTHONPATH={TESTS}", "-x", f"DML_TIMEOUT={STALL}"]
+    argv += ["-x", "OMP_NUM_THREADS=1", sys.executable, JOB, "none", str(where)]
+    return c.run(argv, timeout=200, cwd=ROOT)
+
+
 def _at(text: str, label: str, last: bool = False) -> float:
     found = re.findall(rf"{label} AT (\d+\.\d+)", text)
     assert found, (label, text[-6000:])
@@ -116,7 +124,7 @@ def test_a_killed_rank_restarts_on_the_same_nodes_and_ends_bit_identical(
     two_by_two: cluster.Cluster, tmp_path: Path
 ) -> None:
     c = two_by_two
-    plain = _launch(c, 4, [], "none", tmp_path / "plain")
+    plain = _plain(c, 4, tmp_path / "plain")
     assert plain.returncode == 0, plain.output[-6000:]
     timeline = Timeline()
     run = _launch(c, 4, ["--restarts", "2"], "kill-rank", tmp_path / "killed", on_line=timeline)
@@ -162,7 +170,7 @@ def test_a_node_whose_processes_are_all_killed_is_used_again_and_the_job_ends_bi
     three at the same world size, ends bit-identical to a run that never failed; the killed daemon's session
     directory, which would fail a later daemon with its process id, is removed by the probe."""
     c = three_by_one
-    plain = _launch(c, 3, [], "none", tmp_path / "plain")
+    plain = _plain(c, 3, tmp_path / "plain")
     assert plain.returncode == 0, plain.output[-6000:]
     timeline = Timeline("KILL MY NODE", lambda: c.kill(2))
     try:
