@@ -106,7 +106,9 @@ class Slurm:
             "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nJobAcctGatherType=jobacct_gather/none\n"
             "AccountingStorageType=accounting_storage/none\nSelectType=select/cons_tres\n"
             "SelectTypeParameters=CR_Core\nSlurmdParameters=config_overrides\nMpiDefault=none\n"
-            "ReturnToService=2\nKillWait=5\nSlurmdTimeout=10\nMessageTimeout=5\nInactiveLimit=0\nGresTypes=gpu\n"
+            # KillWait: SIGTERM to SIGKILL, and srun's wait (KillWait + 2 s) for the tasks of a node that died once
+            # it ends a step (--kill-on-bad-exit) before it gives up on them (default 30 s). The ranks end on SIGTERM.
+            "ReturnToService=2\nKillWait=2\nSlurmdTimeout=10\nMessageTimeout=5\nInactiveLimit=0\nGresTypes=gpu\n"
             # The main scheduler over every pending job each second (default 60 s): a requeued job, held until its
             # credential expires, starts once it may, not at the next full pass. A submitted job starts at once anyway.
             "SchedulerParameters=sched_interval=1\n"
