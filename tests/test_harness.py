@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,34 @@ def harness(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytes
     return pytester
 
 
+def _runs(harness: pytest.Pytester, *runs: tuple[dict[str, str], tuple[str, ...]]) -> list[pytest.RunResult]:
+    """What ``harness.runpytest_subprocess(*args)`` gives, for each (variables set, args), the runs started together:
+    each is a fresh pytest whose conftest (this suite's) imports torch, most of its time, on one core; another core
+    starts the next meanwhile. They run without the cache provider, whose files in the folder they would all write.
+    """
+    started = []
+    for i, (variables, args) in enumerate(runs):
+        with pytest.MonkeyPatch.context() as env:  # harness.popen copies os.environ when it starts the process
+            for name, value in variables.items():
+                env.setenv(name, value)
+            out, err = harness.path / f"run{i}.stdout", harness.path / f"run{i}.stderr"
+            cmd = [sys.executable, "-mpytest", f"--basetemp={harness.path / f'run{i}-tmp'}", "-p", "no:cacheprovider"]
+            with out.open("w") as stdout, err.open("w") as stderr:
+                proc = harness.popen([*cmd, *args], stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
+            started.append((proc, out, err, time.monotonic()))
+    results = []
+    try:
+        for proc, out, err, start in started:
+            ret = proc.wait(timeout=120)
+            lines = out.read_text().splitlines(), err.read_text().splitlines()
+            results.append(pytest.RunResult(ret, *lines, time.monotonic() - start))
+    finally:
+        for proc, *_ in started:
+            proc.kill()
+            proc.wait()
+    return results
+
+
 AREAS = """
 import pytest
 
@@ -60,16 +89,12 @@ def test_plain():
 """
 
 
-def test_under_ci_a_skip_fails_the_run_naming_what_is_missing(
-    harness: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_under_ci_a_skip_fails_the_run_naming_what_is_missing(harness: pytest.Pytester) -> None:
     harness.makepyfile(test_areas=AREAS, test_module_skip='import pytest\npytest.importorskip("no_such_cluster")\n')
-    calm = harness.runpytest_subprocess("-rs")
+    calm, ci = _runs(harness, ({}, ("-rs",)), ({"CI": "true"}, ("-rs",)))
     calm.assert_outcomes(passed=1, skipped=4, xfailed=1)
     assert calm.ret == 0
 
-    monkeypatch.setenv("CI", "true")
-    ci = harness.runpytest_subprocess("-rs")
     assert ci.ret == pytest.ExitCode.TESTS_FAILED, ci.stdout.str()
     # The marker's skip fails at setup (an error), the test's own skip in its call; the gpu test still skips.
     ci.assert_outcomes(passed=1, failed=1, errors=1, skipped=2, xfailed=1)
@@ -136,7 +161,10 @@ def _assert_every_rank_dumped(output: str, ranks: int) -> None:
     assert len(re.findall(r"line \d+ in wait_for_the_others\b", output)) == ranks - 1, output[-4000:]
 
 
-TIMEOUT_S = 29  # pytest's timeout of the hang tests: their jobs get TIMEOUT_S - MARGIN_S to start and hang
+# pytest's timeouts of the hang tests: their jobs get TIMEOUT_S - MARGIN_S to start and hang (9 s for 3 ranks on one
+# node, which start in 3 s; 14 s for 4 ranks on the cluster's 2 nodes, which start in about 7 s)
+TIMEOUT_S = 24
+CLUSTER_TIMEOUT_S = 29
 
 
 @requires_mpi
@@ -159,7 +187,7 @@ def test_a_hung_job_ends_before_pytests_timeout_with_every_ranks_stack(tmp_path:
 
 
 @requires_mpi
-@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.timeout(CLUSTER_TIMEOUT_S)
 def test_a_hung_job_on_the_cluster_ends_before_pytests_timeout_with_every_ranks_stack(tmp_path: Path) -> None:
     """The same for tests/cluster.py's runs (tests/test_cluster.py): 2 nodes, 2 ranks each."""
     reason = cluster.unavailable()
@@ -172,39 +200,42 @@ def test_a_hung_job_on_the_cluster_ends_before_pytests_timeout_with_every_ranks_
         argv = [*c.mpiexec_argv(4), "-x", "OMP_NUM_THREADS=1", sys.executable, str(job)]
         run = c.run(argv, timeout=600, cwd=TESTS.parent)
     assert run.returncode is None, (run.returncode, run.output[-4000:])
-    assert TIMEOUT_S - MARGIN_S - 5 < run.seconds < TIMEOUT_S - MARGIN_S + 1, run.seconds
+    assert CLUSTER_TIMEOUT_S - MARGIN_S - 5 < run.seconds < CLUSTER_TIMEOUT_S - MARGIN_S + 1, run.seconds
     _assert_every_rank_dumped(run.output, 4)
-    assert time.monotonic() - start < TIMEOUT_S - 5
+    assert time.monotonic() - start < CLUSTER_TIMEOUT_S - 5
     assert not _still_running(str(job))
 
 
 COUNT = """
+import os
+
 from hypothesis import given, settings, strategies as st
 
 @settings(max_examples=5)
 @given(st.integers(0, 2**62))
 def test_draws(x):
-    with open("drawn.txt", "a") as f:
+    with open(os.environ["DRAWN"], "a") as f:
         f.write(f"{x}\\n")
 """
 
 
-def _drawn(harness: pytest.Pytester, *args: str) -> list[str]:
-    (harness.path / "drawn.txt").write_text("")
-    result = harness.runpytest_subprocess(*args)
-    result.assert_outcomes(passed=1)
-    return (harness.path / "drawn.txt").read_text().split()
+def _drawn(harness: pytest.Pytester, *runs: tuple[dict[str, str], tuple[str, ...]]) -> list[list[str]]:
+    """What each run (variables, args) of COUNT drew, in order; the runs go together, each into a file of its own."""
+    files = [harness.path / f"drawn{i}.txt" for i in range(len(runs))]
+    for file in files:
+        file.write_text("")
+    results = _runs(harness, *(({**env, "DRAWN": str(f)}, args) for f, (env, args) in zip(files, runs, strict=True)))
+    for result in results:
+        result.assert_outcomes(passed=1)
+    return [file.read_text().split() for file in files]
 
 
-def test_the_dev_profile_draws_fresh_examples_and_more_of_them(
-    harness: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_dev_profile_draws_fresh_examples_and_more_of_them(harness: pytest.Pytester) -> None:
     harness.makepyfile(test_count=COUNT)
-    ci = _drawn(harness)
-    assert len(ci) == 5 and _drawn(harness) == ci  # the same examples on every run
-    dev = _drawn(harness, "--hypothesis-profile=dev")
-    monkeypatch.setenv("HYPOTHESIS_PROFILE", "dev")
-    again = _drawn(harness)
+    ci, ci_again, dev, again = _drawn(
+        harness, ({}, ()), ({}, ()), ({}, ("--hypothesis-profile=dev",)), ({"HYPOTHESIS_PROFILE": "dev"}, ())
+    )
+    assert len(ci) == 5 and ci_again == ci  # the same examples on every run
     assert len(dev) == len(again) == 5 * 20, (len(dev), len(again))  # tests/conftest.py's DEV_EXAMPLES
     assert set(dev) != set(again) and set(dev) != set(ci)  # fresh examples on every run
 
