@@ -80,7 +80,7 @@ def across_nodes(layout: cluster.Cluster) -> tuple[cluster.Cluster, cluster.Run]
     tests/reducer_job.py's REDUCER_CHECKS, in the same ranks; each part prints its own banner. A job's start across
     the nodes (every rank importing torch, on two cores) is a large part of a short job: it is paid once."""
     argv = [*layout.mpiexec_argv(_ranks(layout)), *EXPORTS, PYTHON, str(TESTS / "cluster_job.py")]
-    return layout, layout.run([*argv, *CHECKS, "--", *REDUCER_CHECKS], timeout=300, cwd=ROOT)
+    return layout, layout.run([*argv, ",".join(CHECKS), ",".join(REDUCER_CHECKS)], timeout=300, cwd=ROOT)
 
 
 def test_collectives_and_training_across_nodes(across_nodes: tuple[cluster.Cluster, cluster.Run]) -> None:
