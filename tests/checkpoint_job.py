@@ -1,6 +1,7 @@
 """The MPI jobs of tests/test_checkpoint.py, and test bodies shared with its LocalBackend tests.
 
-Run: ``mpiexec -n N python tests/checkpoint_job.py MODE ARGS...`` where MODE is
+Run: ``mpiexec -n N python tests/checkpoint_job.py MODE ARGS... [MODE ARGS...]`` (the modes in turn, in one job)
+where MODE is
 
 - ``straight CHECKPOINT OUT``: train 10 steps;
 - ``first-half CHECKPOINT OUT``: train 5 steps, then ``save`` everything to CHECKPOINT;
@@ -17,9 +18,9 @@ Run: ``mpiexec -n N python tests/checkpoint_job.py MODE ARGS...`` where MODE is
   DataLoader) and mid-epoch (StatefulDataLoader); rank 0 writes OUT: per case, whether the
   resumed run is bitwise the uninterrupted one. Also :func:`rng_helpers` and
   :func:`corrupted_load`, whose problems OUT lists too.
-- ``slow DIR``: ``timeout=2``; ``save`` of an object whose pickling takes 3 s and ``load``
-  of one whose unpickling takes 3 s: rank 0 reads and writes inside the collective, so
-  the job must not be ended as a stall. Prints ``SLOW OK`` at the end.
+- ``slow DIR``: on a backend of its own with ``timeout=2``, ``save`` of an object whose pickling
+  takes 3 s and ``load`` of one whose unpickling takes 3 s: rank 0 reads and writes inside the
+  collective, so the job must not be ended as a stall. Prints ``SLOW OK`` at the end.
 """
 
 from __future__ import annotations
@@ -380,7 +381,7 @@ class SlowPickle:
 
 
 def slow(directory: str) -> None:
-    backend = dml.get_distributed_backend(dml.MPIBackend)
+    backend = dml.MPIBackend(timeout=2)  # the job's other modes keep the default timeout
     assert backend.timeout == 2, backend.timeout
     path = os.path.join(directory, "slow.pt")
     start = time.monotonic()
@@ -394,20 +395,30 @@ def slow(directory: str) -> None:
     dml.print(backend, f"SLOW OK: wrote in {wrote:.1f} s, read in {read:.1f} s with timeout=2")
 
 
-def main(mode: str, *args: str) -> None:
+#: The modes and how many arguments each takes.
+MODES = {"straight": 2, "first-half": 2, "second-half": 2, "resume": 2, "slow": 1}
+
+
+def main(argv: list[str]) -> None:
     faulthandler.register(signal.SIGUSR1)  # the test runner asks for stacks before killing a hung job
     warnings.filterwarnings("ignore", message="This DataLoader will create")  # 2 workers on a 1-core share
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
-    dml.initialize(dml.MPIBackend, **({"timeout": 2} if mode == "slow" else {}))
-    if mode in ("straight", "first-half", "second-half"):
-        halves(mode, *args)
-    elif mode == "resume":
-        resume(*args)
-    elif mode == "slow":
-        slow(*args)
-    else:
-        raise SystemExit(f"unknown mode {mode!r}; allowed: straight, first-half, second-half, resume, slow")
+    runs = []
+    while argv:
+        mode = argv[0]
+        if mode not in MODES or len(argv) <= MODES[mode]:
+            raise SystemExit(f"bad mode {mode!r} or too few arguments; allowed: {MODES} (mode: number of arguments)")
+        runs.append((mode, argv[1 : 1 + MODES[mode]]))
+        argv = argv[1 + MODES[mode] :]
+    dml.initialize(dml.MPIBackend)
+    for mode, args in runs:
+        if mode in ("straight", "first-half", "second-half"):
+            halves(mode, *args)
+        elif mode == "resume":
+            resume(*args)
+        else:
+            slow(*args)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main(sys.argv[1:])

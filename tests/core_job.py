@@ -103,40 +103,41 @@ def debug(backend: dml.Backend) -> None:
 
 def big(backend: dml.Backend) -> None:
     n = 2**31 + 5  # more elements than a C int counts
-    rank = backend.rank
-    buf = np.zeros(n, dtype=np.uint8)
-    buf.fill(0)  # pages made here: the kernel makes them 4x slower while another process writes them (CMA)
+    rank, size = backend.rank, backend.size
+    # One 2 GiB buffer for the bcast, the allreduce (as int8), the allgather's send and the synchronized state:
+    # its pages are made once, here, by this rank (the kernel makes them 4x slower while another process writes
+    # them through CMA). Each use writes all of it again before its collective.
+    buf = np.empty(n, dtype=np.uint8)
+    buf.fill(0)
     if rank == 0:
         buf[::4096] = 7
         buf[-1] = 9
     dml.bcast(backend, buf, root=0)
     assert buf[-1] == 9 and int(buf[::4096].sum()) == 7 * len(buf[::4096]) and buf[1] == 0
-    del buf
-    gc.collect()
     unsegmented = dml.MPIBackend(segment_bytes=0, timeout=0)
-    acc = np.ones(n, dtype=np.int8)
+    acc = buf.view(np.int8)
+    acc.fill(1)
     acc[-1] = rank
     dml.allreduce(unsegmented, acc, dml.SUM)
-    assert acc[0] == backend.size and acc[-1] == sum(range(backend.size)) and acc[n // 2] == backend.size
+    assert acc[0] == size and acc[-1] == sum(range(size)) and acc[n // 2] == size
     del acc
-    gc.collect()
-    send = np.full(n, rank + 1, dtype=np.uint8)
-    recv = np.empty((backend.size, n), dtype=np.uint8)
-    recv.fill(0)  # as above: 12 s instead of 1 when left to the other ranks' writes
+    send = buf
+    send.fill(rank + 1)
+    recv = np.empty((size, n), dtype=np.uint8)
+    for k in range(size):  # as above: the rows the other ranks send (allgather copies this rank's row itself)
+        if k != rank:
+            recv[k].fill(0)  # 12 s instead of 1 when left to the other ranks' writes
     dml.allgather(backend, send, recv)
     del send
-    gc.collect()
-    for k in range(backend.size):
+    for k in range(size):
         assert recv[k, 0] == k + 1 and recv[k, -1] == k + 1 and recv[k, n // 3] == k + 1
-    del recv
-    gc.collect()
-    blob = bytes(range(256)) * (n // 256 + 1) if rank == 0 else None
-    got = dml.bcast_object(backend, blob, root=0)
-    assert len(got) == 256 * (n // 256 + 1) and got[-3:] == bytes([253, 254, 255]) and got[256:258] == b"\x00\x01"
-    del blob, got
-    gc.collect()
+    del recv  # freed here (NumPy arrays hold no reference cycles)
     # A model state of more than 2**31 elements: synchronize's fused broadcast, then a checkpoint over 2 GiB.
-    state = {"w": torch.full((n,), rank, dtype=torch.int8), "b": torch.full((3,), float(rank))}
+    weights = torch.from_numpy(buf.view(np.int8))
+    del buf
+    weights.fill_(rank)
+    state = {"w": weights, "b": torch.full((3,), float(rank))}
+    del weights
     dml.synchronize(backend, state, root=0)
     assert int(state["w"][-1]) == 0 and int(state["w"][n // 2]) == 0 and state["b"].tolist() == [0.0] * 3
     state["w"][-1] = 5
@@ -154,6 +155,12 @@ def big(backend: dml.Backend) -> None:
         if rank == 0:
             os.unlink(path)
     assert loaded["w"].numel() == n and int(loaded["w"][-1]) == 5 and int(loaded["w"][7]) == 0
+    del loaded
+    gc.collect()
+    # Last, when no 2 GiB buffer is left: an object over 2 GiB.
+    blob = bytes(range(256)) * (n // 256 + 1) if rank == 0 else None
+    got = dml.bcast_object(backend, blob, root=0)
+    assert len(got) == 256 * (n // 256 + 1) and got[-3:] == bytes([253, 254, 255]) and got[256:258] == b"\x00\x01"
 
 
 def debug_stall(backend: dml.Backend) -> None:

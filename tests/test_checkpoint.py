@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import io
 import os
 import pickle
@@ -14,6 +15,7 @@ import threading
 import time
 import zipfile
 from collections import OrderedDict, namedtuple
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,8 @@ import distutils_ml as dml
 from distutils_ml import checkpoint as dml_checkpoint  # new names looked up when called: runs on old code too
 from distutils_ml.checkpoint import load, rng_state, save, set_rng_state
 
-from checkpoint_job import corrupted_load, record_spans, rng_helpers
-from mpirun import requires_mpi, run_mpi
+from checkpoint_job import CASES, HALF, STEPS, corrupted_load, record_spans, rng_helpers
+from mpirun import Job, requires_mpi, run_mpi
 
 
 class Custom:
@@ -613,25 +615,52 @@ def test_rng_state_carries_the_cuda_generator_once_cuda_is_initialized(monkeypat
 
 
 # -- under mpiexec ----------------------------------------------------------------------
+#
+# One job per number of ranks (tests/checkpoint_job.py runs its modes in turn), to pay MPI's and torch's start-up
+# once: on 2 ranks the straight run and the first half of the fresh-job resume, the exact-resume recipe, then the
+# slow reads and writes; on 3 ranks the last two. Each test reads what its own mode printed or wrote.
+
+
+@pytest.fixture(scope="module")
+def checkpoint_jobs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], tuple[Job, Path]]:
+    """The job of ``ranks`` ranks, run at the first ask, and its directory."""
+    jobs: dict[int, tuple[Job, Path]] = {}
+
+    def job(ranks: int) -> tuple[Job, Path]:
+        if ranks not in jobs:
+            d = tmp_path_factory.mktemp(f"checkpoint-jobs-{ranks}")
+            modes: list[object] = []
+            if importlib.util.find_spec("torchdata") is not None:  # StatefulDataLoader
+                if ranks == 2:
+                    modes += ["straight", d / "half.pt", d / "straight.pt", "first-half", d / "half.pt", d / "first.pt"]
+                modes += ["resume", d, d / "resume-results.pt"]
+            modes += ["slow", d]  # last: a stall report would end the job
+            jobs[ranks] = run_mpi(ranks, ["tests/checkpoint_job.py", *map(str, modes)], timeout=280), d
+        return jobs[ranks]
+
+    return job
 
 
 @requires_mpi
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_slow_reads_and_writes_are_not_taken_for_a_stall(tmp_path: Path, ranks: int) -> None:
+def test_slow_reads_and_writes_are_not_taken_for_a_stall(
+    checkpoint_jobs: Callable[[int], tuple[Job, Path]], ranks: int
+) -> None:
     # timeout=2; rank 0 spends 3 s pickling in save and 3 s unpickling in load: inside the collective.
-    job = run_mpi(ranks, ["tests/checkpoint_job.py", "slow", str(tmp_path)], timeout=120)
-    assert job.returncode == 0, job.output[-8000:]
+    job, _ = checkpoint_jobs(ranks)
     assert job.output.count("SLOW OK") == ranks, job.output[-8000:]
+    assert job.returncode == 0, job.output[-8000:]
 
 
 @requires_mpi
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_exact_resume_recipe_with_dropout_and_workers(tmp_path: Path, ranks: int) -> None:
+def test_exact_resume_recipe_with_dropout_and_workers(
+    checkpoint_jobs: Callable[[int], tuple[Job, Path]], ranks: int
+) -> None:
     pytest.importorskip("torchdata")
-    out = tmp_path / "resume.pt"
-    job = run_mpi(ranks, ["tests/checkpoint_job.py", "resume", str(tmp_path), str(out)], timeout=300)
-    assert job.returncode == 0, job.output[-8000:]
-    results = torch.load(out, weights_only=True)
+    job, d = checkpoint_jobs(ranks)
+    assert f"resume: {len(CASES)} cases on {ranks} ranks" in job.output, job.output[-8000:]
+    results = torch.load(d / "resume-results.pt", weights_only=True)
     assert results.pop("rng_helpers") == [], "rng_state_all / set_rng_state_all under MPI"
     assert results.pop("corrupted") == [], "a corrupted checkpoint raises on every rank under MPI"
     exact = {case: {verdict[0] for verdict in verdicts} for case, verdicts in results.items()}
@@ -650,16 +679,17 @@ def test_exact_resume_recipe_with_dropout_and_workers(tmp_path: Path, ranks: int
 
 
 @requires_mpi
-def test_resume_in_a_fresh_job_is_bitwise_identical_to_a_straight_run(tmp_path: Path) -> None:
+def test_resume_in_a_fresh_job_is_bitwise_identical_to_a_straight_run(
+    checkpoint_jobs: Callable[[int], tuple[Job, Path]], tmp_path: Path
+) -> None:
     pytest.importorskip("torchdata")
-    ckpt = str(tmp_path / "half.pt")
-    runs = {}
-    for mode in ("straight", "first-half", "second-half"):
-        out = str(tmp_path / f"{mode}.pt")
-        job = run_mpi(2, ["tests/checkpoint_job.py", mode, ckpt, out], timeout=180)
-        assert job.returncode == 0, job.output[-8000:]
-        runs[mode] = torch.load(out, weights_only=True)
-    straight, first, second = runs["straight"], runs["first-half"], runs["second-half"]
+    first_job, d = checkpoint_jobs(2)  # the straight run, then the first half and its checkpoint, in one job
+    for mode, steps in (("straight", STEPS), ("first-half", HALF)):
+        assert f"{mode}: {steps} steps, now at step {steps} " in first_job.output, first_job.output[-8000:]
+    out = tmp_path / "second-half.pt"
+    job = run_mpi(2, ["tests/checkpoint_job.py", "second-half", str(d / "half.pt"), str(out)], timeout=180)
+    assert job.returncode == 0, job.output[-8000:]
+    straight, first, second = (torch.load(path, weights_only=True) for path in (d / "straight.pt", d / "first.pt", out))
     assert first["losses"] == straight["losses"][:5]
     assert second["losses"] == straight["losses"][5:], "the resumed steps draw the same batches and random numbers"
     assert second["epoch"] == straight["epoch"] == 1

@@ -227,7 +227,17 @@ def test_page_blocks_run(page: str, page_server: subprocess.Popen[str], tmp_path
 
 @requires_mpi
 @pytest.mark.parametrize("block", MPI_BLOCKS, ids=str)
-def test_mpi_block_runs(block: Block, tmp_path: Path) -> None:
+def test_mpi_block_runs(
+    block: Block, tmp_path: Path, recipe_jobs: Callable[[int], subprocess.CompletedProcess[str]]
+) -> None:
+    if block == _recipe_block():  # run once with the cuts that test_the_recipe_resumes_bitwise... appends to it
+        proc = recipe_jobs(block.mpi)
+        output = proc.stdout + proc.stderr
+        assert block.expect in output, f"{block}: {block.expect!r} is not in the output\n{output[-8000:]}"
+        if "resumed bitwise at steps" not in output:
+            pytest.fail(f"{block}: ran, but the cuts run after it in the same job failed (see the test of the recipe)")
+        assert proc.returncode == 0, f"{block}: the job failed\n{output[-8000:]}"
+        return
     script = tmp_path / "block.py"
     script.write_text("\n" * block.line + block.code, encoding="utf-8")
     exe = mpiexec()
@@ -529,26 +539,43 @@ dml.print(backend, f"resumed bitwise at steps {stops} of {whole[1]}", all_ranks=
 """
 
 
+@pytest.fixture(scope="module")
+def recipe_jobs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], subprocess.CompletedProcess[str]]:
+    """The recipe's block with _RESUME_AT_EVERY_STOP after it, on ``ranks`` ranks, run at the first ask: on the
+    block's own 2 ranks, test_mpi_block_runs reads the block's part of the same job."""
+    jobs: dict[int, subprocess.CompletedProcess[str]] = {}
+
+    def job(ranks: int) -> subprocess.CompletedProcess[str]:
+        if ranks not in jobs:
+            block = _recipe_block()
+            directory = tmp_path_factory.mktemp(f"recipe-{ranks}")
+            script = directory / "recipe.py"
+            script.write_text("\n" * block.line + block.code + _RESUME_AT_EVERY_STOP, encoding="utf-8")
+            exe = mpiexec()
+            assert exe is not None
+            cmd = [exe, "-n", str(ranks), *(["--oversubscribe"] if ranks > (os.cpu_count() or 1) else [])]
+            jobs[ranks] = subprocess.run(
+                [*cmd, sys.executable, str(script)],
+                capture_output=True,
+                text=True,
+                cwd=directory,
+                env=_env(),
+                timeout=MPI_TIMEOUT_S * 2,
+                check=False,
+            )
+        return jobs[ranks]
+
+    return job
+
+
 @requires_mpi
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_the_recipe_resumes_bitwise_wherever_it_is_cut(ranks: int, tmp_path: Path) -> None:
+def test_the_recipe_resumes_bitwise_wherever_it_is_cut(
+    ranks: int, recipe_jobs: Callable[[int], subprocess.CompletedProcess[str]]
+) -> None:
     """The recipe's example, cut short at the first step, at epoch boundaries and mid-epoch, then resumed,
     ends bitwise where the uninterrupted run ends (parameters, step, learning rate, loss scale)."""
-    block = _recipe_block()
-    script = tmp_path / "recipe.py"
-    script.write_text("\n" * block.line + block.code + _RESUME_AT_EVERY_STOP, encoding="utf-8")
-    exe = mpiexec()
-    assert exe is not None
-    cmd = [exe, "-n", str(ranks), *(["--oversubscribe"] if ranks > (os.cpu_count() or 1) else [])]
-    proc = subprocess.run(
-        [*cmd, sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=_env(),
-        timeout=MPI_TIMEOUT_S * 2,
-        check=False,
-    )
+    proc = recipe_jobs(ranks)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"the recipe did not resume bitwise on {ranks} ranks\n{output[-8000:]}"
     assert "resumed bitwise at steps" in output, output[-8000:]

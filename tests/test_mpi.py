@@ -95,21 +95,69 @@ def test_ranks_with_different_options_are_refused_on_every_rank(envs: list[dict[
     assert job.returncode == 0, job.output[-8000:]
 
 
-@pytest.mark.parametrize("variable", ["SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"])
-def test_a_world_of_one_whose_launcher_started_several_is_refused(variable: str) -> None:
+LAUNCHED_SIZE_VARIABLES = ["SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
+
+# Started with VARIABLE=4 in its environment, as its launcher would set it: initialize must refuse; then, with
+# VARIABLE=1 (a launcher that started one process), the same process initializes and trains alone.
+_ALONE = """
+import os, sys
+import distutils_ml as dml
+
+name = sys.argv[1]
+try:
+    dml.initialize(dml.MPIBackend)
+except RuntimeError as e:
+    print(f"REFUSED: {e}", file=sys.stderr, flush=True)
+else:
+    print(f"TRAINS ALONE with {name}=4", flush=True)
+    sys.exit(1)
+assert not dml.initialized(dml.MPIBackend), "a refused initialize left its backend behind"
+os.environ[name] = "1"
+dml.initialize(dml.MPIBackend)
+print("TRAINS ALONE", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def worlds_of_one() -> dict[str, tuple[int, str, str]]:
+    """(exit status, stdout, stderr) of ``_ALONE`` per variable: the three processes run at once (each pays
+    Python's, torch's and MPI's start alone, about 1.5 s, which the 2 cores then share)."""
+    procs = {
+        variable: subprocess.Popen(
+            [sys.executable, "-c", _ALONE, variable],
+            env={**mpi_env(), variable: "4"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for variable in LAUNCHED_SIZE_VARIABLES
+    }
+    done = {}
+    try:
+        for variable, proc in procs.items():
+            out, err = proc.communicate(timeout=90)
+            done[variable] = (proc.returncode, out, err)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return done
+
+
+@pytest.mark.parametrize("variable", LAUNCHED_SIZE_VARIABLES)
+def test_a_world_of_one_whose_launcher_started_several_is_refused(
+    variable: str, worlds_of_one: dict[str, tuple[int, str, str]]
+) -> None:
     # srun without --mpi=pmix, or another MPI's mpiexec: every process is its own world of one.
-    code = "import distutils_ml as dml; dml.initialize(dml.MPIBackend); print('TRAINS ALONE')"
-    env = {**mpi_env(), variable: "4"}
-    run = dict(env=env, capture_output=True, text=True, timeout=60)
-    proc = subprocess.run([sys.executable, "-c", code], check=False, **run)
-    assert proc.returncode != 0 and "TRAINS ALONE" not in proc.stdout, proc.stdout + proc.stderr
+    returncode, stdout, stderr = worlds_of_one[variable]
+    assert f"TRAINS ALONE with {variable}=4" not in stdout, stdout + stderr
+    assert "REFUSED: " in stderr, stdout + stderr
     if variable == "SLURM_STEP_NUM_TASKS":  # srun: what to type (tests/test_slurm.py runs the real srun)
-        assert "srun started 4 tasks" in proc.stderr and "srun --mpi=pmix python train.py" in proc.stderr, proc.stderr
+        assert "srun started 4 tasks" in stderr and "srun --mpi=pmix python train.py" in stderr, stderr
     else:
-        assert f"world of one, but {variable}=4 says its launcher started 4 processes" in proc.stderr, proc.stderr
-    env[variable] = "1"
-    alone = subprocess.run([sys.executable, "-c", code], check=False, **run)
-    assert alone.returncode == 0 and "TRAINS ALONE" in alone.stdout, alone.stderr
+        assert f"world of one, but {variable}=4 says its launcher started 4 processes" in stderr, stderr
+    assert returncode == 0 and "TRAINS ALONE" in stdout.splitlines(), stdout + stderr
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])

@@ -143,7 +143,9 @@ def test_reduce_scatter_job_under_mpiexec(ranks: int) -> None:
 # Rows of more than 2**31 elements: MPI counts are C ints, so the MPI backend must cut them into pieces,
 # each piece landing at its own offset. int8 keeps it to 4 GiB of send buffer per rank (float32 rows of
 # that length would need 16 GiB per rank). The values repeat with a prime period, so a piece written at
-# the wrong offset shows.
+# the wrong offset shows. Each row is written in place by doubling (the period, then the filled part copied
+# after itself, 24 copies in all): np.resize would concatenate a tuple of 8.6 million arrays into a new
+# 2 GiB array, then copy that into the row.
 _HUGE_ROW = """
 import numpy as np
 import distutils_ml as dml
@@ -155,7 +157,13 @@ n = 2**31 + 3
 period = np.arange(251, dtype=np.int8) % 50
 rows = np.empty((w, n), dtype=np.int8)
 for k in range(w):
-    rows[k] = np.resize(period + np.int8(r + k), n)
+    row = rows[k]
+    row[: period.size] = period + np.int8(r + k)
+    done = period.size  # row[:done] holds whole periods: a copy of it to row[done:] goes on the period
+    while done < n:
+        step = min(done, n - done)
+        row[done : done + step] = row[:step]
+        done += step
 out = dml.reduce_scatter(b, rows, dml.SUM)  # in place: rows[r]
 assert out.shape == (n,) and out.ctypes.data == rows[r].ctypes.data
 chunk = 251 * 4096

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 import distutils_ml as dml
 
-from mpirun import requires_mpi, run_mpi
+from mpirun import Job, requires_mpi, run_mpi
 from sharded_bodies import (
     KINDS,
     VARIANTS,
@@ -247,18 +248,63 @@ def test_one_idea_for_users() -> None:
         Mine(backend, torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1), shard_state=True)
 
 
-@requires_mpi
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_sharded_job_under_mpiexec(ranks: int) -> None:
-    job = run_mpi(ranks, ["tests/sharded_job.py"], timeout=300)
-    assert job.returncode == 0, job.output[-8000:]
-    checks = (
-        "equivalence variants kinds errors bad_input memory clip clip_property clip_no_sync zero_in_place "
-        "elementwise special synchronize extras state state_memory"
+SHARDED_CHECKS = [
+    *("equivalence", "variants", "kinds", "errors", "bad_input", "memory", "clip", "clip_property", "clip_no_sync"),
+    *("zero_in_place", "elementwise", "special", "synchronize", "extras", "state", "state_memory"),
+]
+
+
+# One 3-rank and one 2-rank job hold every check of the tests below that runs over MPI (the gloo job aside), to
+# pay MPI's and torch's start-up once per size: first the checkpoints (the 3-rank job saves those the 2-rank job
+# resumes), then SHARDED_CHECKS. Each test reads the lines of its own checks ("check NAME passed", per rank).
+# The first test to ask runs both jobs: each test that may be the first has the time of both.
+JOBS_TIMEOUT = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("sharded-checkpoints")
+
+
+def _at_3(d: Path) -> list[str]:
+    """The 3-rank job's checkpoint checks: saved with MAX (each rank the same data) and with AVG (each rank its own
+    batch), the uninterrupted AVG run, and the AVG checkpoint resumed by 3."""
+    at3, avg3, whole, same = (d / name for name in ("at3.pt", "avg3.pt", "whole.pt", "same.pt"))
+    return [f"save={at3}", f"save={avg3},avg", f"run={whole},6,avg", f"resume={avg3},{same},avg"]
+
+
+def _at_2(d: Path) -> list[str]:
+    """The 2-rank job's: the MAX checkpoint of 3 ranks resumed, and the AVG one resumed sharded and unsharded."""
+    at3, avg3, at2, sharded, unsharded = (
+        d / name for name in ("at3.pt", "avg3.pt", "at2.pt", "sharded.pt", "unsharded.pt")
     )
-    assert f"SHARDED CHECKS PASSED: {checks} on {ranks} ranks" in job.output, job.output[-8000:]
-    for check in checks.split():
-        assert job.output.count(f"check {check} passed") == ranks, job.output[-8000:]
+    return [f"resume={at3},{at2}", f"resume={avg3},{sharded},avg", f"resume={avg3},{unsharded},avg,unsharded"]
+
+
+@pytest.fixture(scope="module")
+def job_at_3(checkpoints: Path) -> Job:
+    return run_mpi(3, ["tests/sharded_job.py", *_at_3(checkpoints), *SHARDED_CHECKS], timeout=280)
+
+
+@pytest.fixture(scope="module")
+def job_at_2(checkpoints: Path, job_at_3: Job) -> Job:
+    return run_mpi(2, ["tests/sharded_job.py", *_at_2(checkpoints), *SHARDED_CHECKS], timeout=280)
+
+
+def _passed(job: Job, checks: list[str], ranks: int) -> None:
+    for check in checks:
+        passed = job.output.count(f"check {check} passed")
+        assert passed == ranks, f"{check}: passed on {passed} of {ranks} ranks\n{job.output[-8000:]}"
+
+
+@requires_mpi
+@JOBS_TIMEOUT
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_sharded_job_under_mpiexec(ranks: int, request: pytest.FixtureRequest) -> None:
+    job = request.getfixturevalue(f"job_at_{ranks}")
+    _passed(job, SHARDED_CHECKS, ranks)
+    assert job.returncode == 0, job.output[-8000:]
+    assert "SHARDED CHECKS PASSED: " in job.output and f" on {ranks} ranks" in job.output, job.output[-8000:]
 
 
 def test_prefetch_is_checked_and_inert_without_gloo() -> None:
@@ -305,31 +351,26 @@ def test_sharded_job_over_gloo() -> None:
 
 
 @requires_mpi
-def test_checkpoint_of_3_mpi_ranks_resumes_on_2(tmp_path: object) -> None:
-    path, out = str(tmp_path / "at3.pt"), str(tmp_path / "at2.pt")  # type: ignore[operator]
-    saved = run_mpi(3, ["tests/sharded_job.py", f"save={path}"], timeout=120)
-    assert saved.returncode == 0 and "SHARDED CHECKS PASSED" in saved.output, saved.output[-8000:]
-    resumed = run_mpi(2, ["tests/sharded_job.py", f"resume={path},{out}"], timeout=120)
-    assert resumed.returncode == 0 and "SHARDED CHECKS PASSED" in resumed.output, resumed.output[-8000:]
+@JOBS_TIMEOUT
+def test_checkpoint_of_3_mpi_ranks_resumes_on_2(checkpoints: Path, job_at_3: Job, job_at_2: Job) -> None:
+    _passed(job_at_3, _at_3(checkpoints)[:1], 3)  # saved at 3
+    _passed(job_at_2, _at_2(checkpoints)[:1], 2)  # resumed at 2
     uninterrupted = dml.LocalBackend.spawn(1, resume_body, 6, None, timeout=60)[0]
-    checkpoints_equal(torch.load(out, weights_only=True), uninterrupted)
+    checkpoints_equal(torch.load(checkpoints / "at2.pt", weights_only=True), uninterrupted)
 
 
 @requires_mpi
-def test_checkpoint_averaged_over_3_mpi_ranks(tmp_path: object) -> None:
+@JOBS_TIMEOUT
+def test_checkpoint_averaged_over_3_mpi_ranks(checkpoints: Path, job_at_3: Job, job_at_2: Job) -> None:
     """dml.AVG, each rank its own batch, saved by 3 MPI ranks: (a) resumed by 3, bit for bit the uninterrupted
     3-rank run (the same collectives on the same data); (b) the state right after each load is bit for bit the
     saved one (checked in the jobs); (c) resumed by 2, bit for bit the unsharded optimizer resumed by 2 (two
     numbers add alike in any order)."""
-    path, whole, same, sharded, unsharded = (
-        str(tmp_path / name)  # type: ignore[operator]
-        for name in ("at3.pt", "whole.pt", "same.pt", "sharded.pt", "unsharded.pt")
+    _passed(job_at_3, _at_3(checkpoints)[1:], 3)
+    _passed(job_at_2, _at_2(checkpoints)[1:], 2)
+    same, whole, sharded, unsharded = (
+        torch.load(checkpoints / name, weights_only=True)
+        for name in ("same.pt", "whole.pt", "sharded.pt", "unsharded.pt")
     )
-    at3 = run_mpi(3, ["tests/sharded_job.py", f"save={path},avg", f"run={whole},6,avg", f"resume={path},{same},avg"])
-    assert at3.returncode == 0 and "SHARDED CHECKS PASSED" in at3.output, at3.output[-8000:]
-    checkpoints_equal(torch.load(same, weights_only=True), torch.load(whole, weights_only=True))
-    at2 = run_mpi(
-        2, ["tests/sharded_job.py", f"resume={path},{sharded},avg", f"resume={path},{unsharded},avg,unsharded"]
-    )
-    assert at2.returncode == 0 and "SHARDED CHECKS PASSED" in at2.output, at2.output[-8000:]
-    checkpoints_equal(torch.load(sharded, weights_only=True), torch.load(unsharded, weights_only=True))
+    checkpoints_equal(same, whole)
+    checkpoints_equal(sharded, unsharded)

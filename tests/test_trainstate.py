@@ -19,34 +19,68 @@ from hypothesis import strategies as st
 import distutils_ml as dml
 import distutils_ml.trainstate as ts
 
-from mpirun import requires_mpi, run_mpi
+from mpirun import Job, requires_mpi, run_mpi
 
 N = 38  # tests/trainstate_job.py's observations
 
 
+# Three jobs hold the MPI checks of the tests below, to pay MPI's and torch's start-up three times instead of six: on
+# 3 ranks, runs cut and saved (cut=DIR), then "exact"; on 2, runs cut, the 3-rank cuts resumed (resume=DIR), then
+# "exact"; on 3 again, the 2-rank cuts resumed. Each test reads the lines of its own checks ("check NAME passed").
+# The first test to ask may run all three: each test has the time of all three.
+JOBS_TIMEOUT = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def cuts(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Where the runs cut by a job of 2 and of 3 ranks are saved."""
+    root = tmp_path_factory.mktemp("trainstate-cuts")
+    made = {ranks: root / f"cut-at-{ranks}" for ranks in (2, 3)}
+    for path in made.values():
+        path.mkdir()
+    return made
+
+
+@pytest.fixture(scope="module")
+def jobs(cuts: dict[int, Path]) -> dict[str, Job]:
+    """The three jobs by what they ran: "cut at 3" and "exact at 3" are one job, and so on."""
+    at3 = run_mpi(3, ["tests/trainstate_job.py", f"cut={cuts[3]}", "exact"], timeout=280)
+    at2 = run_mpi(2, ["tests/trainstate_job.py", f"cut={cuts[2]}", f"resume={cuts[3]}", "exact"], timeout=280)
+    again = run_mpi(3, ["tests/trainstate_job.py", f"resume={cuts[2]}"], timeout=120)
+    return {"cut at 3": at3, "exact at 3": at3, "cut at 2": at2, "resume at 2": at2, "exact at 2": at2,
+            "resume at 3": again}  # fmt: skip
+
+
+def _passed(job: Job, check: str, ranks: int) -> None:
+    passed = job.output.count(f"check {check} passed")
+    assert passed == ranks, f"{check}: passed on {passed} of {ranks} ranks\n{job.output[-8000:]}"
+
+
 @requires_mpi
+@JOBS_TIMEOUT
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_a_run_cut_anywhere_and_resumed_is_the_uninterrupted_run_bit_for_bit(ranks: int) -> None:
-    job = run_mpi(ranks, ["tests/trainstate_job.py", "exact"], timeout=280)
+def test_a_run_cut_anywhere_and_resumed_is_the_uninterrupted_run_bit_for_bit(ranks: int, jobs: dict[str, Job]) -> None:
+    job = jobs[f"exact at {ranks}"]
+    _passed(job, "exact", ranks)
     assert job.returncode == 0, job.output[-8000:]
-    assert f"TRAINSTATE CHECKS PASSED: exact on {ranks} ranks" in job.output, job.output[-8000:]
+    assert "TRAINSTATE CHECKS PASSED: " in job.output and f"exact on {ranks} ranks" in job.output, job.output[-8000:]
 
 
 @requires_mpi
+@JOBS_TIMEOUT
 @pytest.mark.parametrize(("saved", "resumed"), [(2, 3), (3, 2)])
 def test_resumed_at_another_world_size_every_observation_of_the_epoch_comes_once(
-    tmp_path: Path, saved: int, resumed: int
+    cuts: dict[int, Path], jobs: dict[str, Job], saved: int, resumed: int
 ) -> None:
-    cut = run_mpi(saved, ["tests/trainstate_job.py", "cut", str(tmp_path)], timeout=120)
-    assert cut.returncode == 0, cut.output[-8000:]
-    job = run_mpi(resumed, ["tests/trainstate_job.py", "resume", str(tmp_path)], timeout=120)
-    assert job.returncode == 0, job.output[-8000:]
-    stops = sorted(os.listdir(tmp_path), key=int)
+    directory = cuts[saved]
+    _passed(jobs[f"cut at {saved}"], f"cut={directory}", saved)
+    _passed(jobs[f"resume at {resumed}"], f"resume={directory}", resumed)
+    stops = sorted(os.listdir(directory), key=int)
     assert len(stops) == 3, stops
     for stop in stops:
-        before = json.loads((tmp_path / stop / "before.json").read_text())
+        before = json.loads((directory / stop / "before.json").read_text())
         assert before["ranks"] == saved
-        after = [json.loads((tmp_path / stop / f"after-{r}.json").read_text()) for r in range(resumed)]
+        after = [json.loads((directory / stop / f"after-{r}.json").read_text()) for r in range(resumed)]
         taken = [i for seen in before["seen"] for i in seen] + [i for seen in after for i in seen]
         assert all(after), f"a rank of {resumed} took nothing of the epoch's rest: {after}"
         # Each observation of the epoch once: those the cut run took, then the rest split over the new ranks.

@@ -1,11 +1,11 @@
-"""The MPI job of tests/test_trainstate.py: ``mpiexec -n N python tests/trainstate_job.py CHECK [ARGS]``.
+"""The MPI job of tests/test_trainstate.py: ``mpiexec -n N python tests/trainstate_job.py CHECK...`` (in turn).
 
 - ``exact``: hypothesis over the step a run is cut at (with dropout, shuffling, DataLoader workers, a sharded
   optimizer, saving every few steps): a run cut there, then resumed from its TrainState by a fresh build in the
   same job, ends with the parameters of the uninterrupted run, bit for bit.
-- ``cut DIR``: for each of several steps, a fresh run is cut there and saved to ``DIR/<step>``; it writes the
+- ``cut=DIR``: for each of several steps, a fresh run is cut there and saved to ``DIR/<step>``; it writes the
   sample indices each rank took in the cut epoch and the saved parameters to ``DIR/<step>/before.json``.
-- ``resume DIR``: on this (other) number of ranks, resumes each ``DIR/<step>``, checks the parameters are those
+- ``resume=DIR``: on this (other) number of ranks, resumes each ``DIR/<step>``, checks the parameters are those
   saved, finishes the cut epoch, and writes the indices each rank took (padding left out) to
   ``DIR/<step>/after-<rank>.json``.
 
@@ -183,11 +183,16 @@ def main(names: list[str]) -> None:
     dml.initialize(dml.MPIBackend)
     world = dml.get_distributed_backend(dml.MPIBackend)
     checks = {
-        "exact": lambda: hypothesis_check(world, exact_body, cases(), 12),
-        "cut": lambda: cut(world, names[1]),
-        "resume": lambda: resume(world, names[1]),
+        "exact": lambda _: hypothesis_check(world, exact_body, cases(), 12),
+        "cut": lambda directory: cut(world, directory),
+        "resume": lambda directory: resume(world, directory),
     }
-    run_checks(world, names[:1], "TRAINSTATE CHECKS PASSED", lambda name: checks[name]())
+
+    def run_check(name: str) -> Any:
+        check, _, directory = name.partition("=")
+        return checks[check](directory)
+
+    run_checks(world, names, "TRAINSTATE CHECKS PASSED", run_check)
 
 
 if __name__ == "__main__":
