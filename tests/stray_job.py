@@ -5,9 +5,9 @@ tests/transport_job.py's bodies: ``ring``, the gloo transport's allreduce, reduc
 against the op over every rank's buffer, on RING_EXAMPLES examples of its strategy (derandomized: the same on every
 run and every rank); ``buckets``, a model's gradient buckets over gloo during backward. The stray
 client needs exact results over every kind of call to compare, not tests/test_transport.py's 40 examples (the test
-runs this job twice: alone, then with the stray client). Its 12 examples: every op over the ring (sum, avg, prod,
-max, min), float32, float64 and int64 over it, 0, 1 and 2432 elements and four arrays of 1.2-3 M (6-12 MB); and four
-of unsigned integers, which go over the backend. Rank 0 ends with ``TRANSPORT CHECKS PASSED``.
+runs this job twice: alone, then with the stray client): 12 examples, drawn as there, which include every op,
+arrays of a few elements and of millions, and unsigned integers (those go over the backend). Rank 0 ends with
+``TRANSPORT CHECKS PASSED``.
 """
 
 from __future__ import annotations
