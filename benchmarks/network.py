@@ -62,7 +62,7 @@ def mpi_job(
 ) -> dict[str, Any]:
     """Run ``script`` on 2 ranks, one per node, with gloo on the link too; its JSON. ``thp``: the ranks'
     ``THP_MEM_ALLOC_ENABLE`` (``distutils-ml launch`` gives 1)."""
-    argv = [*c.mpiexec_argv(2), "-x", f"PYTHONPATH={ROOT / 'tests'}", "-x", f"MASTER_ADDR={c.addresses[0]}"]
+    argv = [*c.mpiexec_argv(2), "-x", f"PYTHONPATH={ROOT}:{ROOT / 'tests'}", "-x", f"MASTER_ADDR={c.addresses[0]}"]
     argv += ["-x", "GLOO_SOCKET_IFNAME=eth0", "-x", "OMP_NUM_THREADS=1", "-x", f"THP_MEM_ALLOC_ENABLE={thp}"]
     # One core per node, core k for node k: each node's mpiexec daemon would bind its rank to core 0,
     # putting both "nodes" on one core of this machine.
