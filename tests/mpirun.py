@@ -86,6 +86,14 @@ class Job:
     seconds: float
 
 
+def assert_checks_passed(job: Job, checks: list[str], ranks: int) -> None:
+    """Every one of ``checks`` printed ``check NAME passed`` on each of the ``ranks`` ranks (tests/mpi_main.py's
+    ``run_checks``)."""
+    for check in checks:
+        passed = job.output.count(f"check {check} passed")
+        assert passed == ranks, f"{check}: passed on {passed} of {ranks} ranks\n{job.output[-8000:]}"
+
+
 def run_mpi(
     n: int,
     args: list[str],

@@ -225,6 +225,27 @@ def test_page_blocks_run(page: str, page_server: subprocess.Popen[str], tmp_path
     assert output.count("docs block ") == len(blocks), output[-8000:]
 
 
+def _mpiexec_block(
+    block: Block, code: str, ranks: int, directory: Path, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """``code`` (a block's, run from the block's line: tracebacks name the page's lines) under ``mpiexec -n ranks``, in
+    ``directory``."""
+    script = directory / "block.py"
+    script.write_text("\n" * block.line + code, encoding="utf-8")
+    exe = mpiexec()
+    assert exe is not None
+    cmd = [exe, "-n", str(ranks), *(["--oversubscribe"] if ranks > (os.cpu_count() or 1) else [])]
+    return subprocess.run(
+        [*cmd, sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        cwd=directory,
+        env=_env(),
+        timeout=timeout,
+        check=False,
+    )
+
+
 @requires_mpi
 @pytest.mark.parametrize("block", MPI_BLOCKS, ids=str)
 def test_mpi_block_runs(
@@ -238,17 +259,7 @@ def test_mpi_block_runs(
             pytest.fail(f"{block}: ran, but the cuts run after it in the same job failed (see the test of the recipe)")
         assert proc.returncode == 0, f"{block}: the job failed\n{output[-8000:]}"
         return
-    script = tmp_path / "block.py"
-    script.write_text("\n" * block.line + block.code, encoding="utf-8")
-    exe = mpiexec()
-    assert exe is not None
-    cmd = [exe, "-n", str(block.mpi)]
-    if block.mpi > (os.cpu_count() or 1):
-        cmd.append("--oversubscribe")
-    cmd += [sys.executable, str(script)]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=MPI_TIMEOUT_S, check=False
-    )
+    proc = _mpiexec_block(block, block.code, block.mpi, tmp_path, MPI_TIMEOUT_S)
     output = proc.stdout + proc.stderr
     if block.fails:
         assert proc.returncode != 0, f"{block}: the job should have failed\n{output[-8000:]}"
@@ -547,22 +558,8 @@ def recipe_jobs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], sub
 
     def job(ranks: int) -> subprocess.CompletedProcess[str]:
         if ranks not in jobs:
-            block = _recipe_block()
-            directory = tmp_path_factory.mktemp(f"recipe-{ranks}")
-            script = directory / "recipe.py"
-            script.write_text("\n" * block.line + block.code + _RESUME_AT_EVERY_STOP, encoding="utf-8")
-            exe = mpiexec()
-            assert exe is not None
-            cmd = [exe, "-n", str(ranks), *(["--oversubscribe"] if ranks > (os.cpu_count() or 1) else [])]
-            jobs[ranks] = subprocess.run(
-                [*cmd, sys.executable, str(script)],
-                capture_output=True,
-                text=True,
-                cwd=directory,
-                env=_env(),
-                timeout=MPI_TIMEOUT_S * 2,
-                check=False,
-            )
+            block, directory = _recipe_block(), tmp_path_factory.mktemp(f"recipe-{ranks}")
+            jobs[ranks] = _mpiexec_block(block, block.code + _RESUME_AT_EVERY_STOP, ranks, directory, MPI_TIMEOUT_S * 2)
         return jobs[ranks]
 
     return job

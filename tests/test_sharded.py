@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import distutils_ml as dml
 
-from mpirun import Job, requires_mpi, run_mpi
+from mpirun import Job, assert_checks_passed, requires_mpi, run_mpi
 from sharded_bodies import (
     KINDS,
     VARIANTS,
@@ -291,18 +291,12 @@ def job_at_2(checkpoints: Path, job_at_3: Job) -> Job:
     return run_mpi(2, ["tests/sharded_job.py", *_at_2(checkpoints), *SHARDED_CHECKS], timeout=280)
 
 
-def _passed(job: Job, checks: list[str], ranks: int) -> None:
-    for check in checks:
-        passed = job.output.count(f"check {check} passed")
-        assert passed == ranks, f"{check}: passed on {passed} of {ranks} ranks\n{job.output[-8000:]}"
-
-
 @requires_mpi
 @JOBS_TIMEOUT
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_sharded_job_under_mpiexec(ranks: int, request: pytest.FixtureRequest) -> None:
     job = request.getfixturevalue(f"job_at_{ranks}")
-    _passed(job, SHARDED_CHECKS, ranks)
+    assert_checks_passed(job, SHARDED_CHECKS, ranks)
     assert job.returncode == 0, job.output[-8000:]
     assert "SHARDED CHECKS PASSED: " in job.output and f" on {ranks} ranks" in job.output, job.output[-8000:]
 
@@ -353,8 +347,8 @@ def test_sharded_job_over_gloo() -> None:
 @requires_mpi
 @JOBS_TIMEOUT
 def test_checkpoint_of_3_mpi_ranks_resumes_on_2(checkpoints: Path, job_at_3: Job, job_at_2: Job) -> None:
-    _passed(job_at_3, _at_3(checkpoints)[:1], 3)  # saved at 3
-    _passed(job_at_2, _at_2(checkpoints)[:1], 2)  # resumed at 2
+    assert_checks_passed(job_at_3, _at_3(checkpoints)[:1], 3)  # saved at 3
+    assert_checks_passed(job_at_2, _at_2(checkpoints)[:1], 2)  # resumed at 2
     uninterrupted = dml.LocalBackend.spawn(1, resume_body, 6, None, timeout=60)[0]
     checkpoints_equal(torch.load(checkpoints / "at2.pt", weights_only=True), uninterrupted)
 
@@ -366,8 +360,8 @@ def test_checkpoint_averaged_over_3_mpi_ranks(checkpoints: Path, job_at_3: Job, 
     3-rank run (the same collectives on the same data); (b) the state right after each load is bit for bit the
     saved one (checked in the jobs); (c) resumed by 2, bit for bit the unsharded optimizer resumed by 2 (two
     numbers add alike in any order)."""
-    _passed(job_at_3, _at_3(checkpoints)[1:], 3)
-    _passed(job_at_2, _at_2(checkpoints)[1:], 2)
+    assert_checks_passed(job_at_3, _at_3(checkpoints)[1:], 3)
+    assert_checks_passed(job_at_2, _at_2(checkpoints)[1:], 2)
     same, whole, sharded, unsharded = (
         torch.load(checkpoints / name, weights_only=True)
         for name in ("same.pt", "whole.pt", "sharded.pt", "unsharded.pt")

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import distutils_ml as dml
 import distutils_ml.trainstate as ts
 
-from mpirun import Job, requires_mpi, run_mpi
+from mpirun import Job, assert_checks_passed, requires_mpi, run_mpi
 
 N = 38  # tests/trainstate_job.py's observations
 
@@ -51,17 +51,12 @@ def jobs(cuts: dict[int, Path]) -> dict[str, Job]:
             "resume at 3": again}  # fmt: skip
 
 
-def _passed(job: Job, check: str, ranks: int) -> None:
-    passed = job.output.count(f"check {check} passed")
-    assert passed == ranks, f"{check}: passed on {passed} of {ranks} ranks\n{job.output[-8000:]}"
-
-
 @requires_mpi
 @JOBS_TIMEOUT
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_a_run_cut_anywhere_and_resumed_is_the_uninterrupted_run_bit_for_bit(ranks: int, jobs: dict[str, Job]) -> None:
     job = jobs[f"exact at {ranks}"]
-    _passed(job, "exact", ranks)
+    assert_checks_passed(job, ["exact"], ranks)
     assert job.returncode == 0, job.output[-8000:]
     assert "TRAINSTATE CHECKS PASSED: " in job.output and f"exact on {ranks} ranks" in job.output, job.output[-8000:]
 
@@ -73,8 +68,8 @@ def test_resumed_at_another_world_size_every_observation_of_the_epoch_comes_once
     cuts: dict[int, Path], jobs: dict[str, Job], saved: int, resumed: int
 ) -> None:
     directory = cuts[saved]
-    _passed(jobs[f"cut at {saved}"], f"cut={directory}", saved)
-    _passed(jobs[f"resume at {resumed}"], f"resume={directory}", resumed)
+    assert_checks_passed(jobs[f"cut at {saved}"], [f"cut={directory}"], saved)
+    assert_checks_passed(jobs[f"resume at {resumed}"], [f"resume={directory}"], resumed)
     stops = sorted(os.listdir(directory), key=int)
     assert len(stops) == 3, stops
     for stop in stops:
