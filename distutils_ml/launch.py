@@ -23,7 +23,10 @@ needs, unless the user already said otherwise:
   other nodes (``--mca oob_tcp_keepalive_time 5``, ``..._intvl 2``, ``..._probes 3``): a node
   that stops answering (a pulled cable) is noticed after about 5 + 2 * 3 = 11 s instead of
   Open MPI's 300 + 20 * 9 s. A value the user set (``--mca``/``--prtemca NAME VALUE``, or
-  ``PRTE_MCA_NAME`` / ``OMPI_MCA_NAME`` in the environment) wins.
+  ``PRTE_MCA_NAME`` / ``OMPI_MCA_NAME`` in the environment) wins;
+- with Open MPI, a limit on the wait after a rank's ``MPI_Abort`` (``abort_wait``): an
+  ``mpiexec`` whose order to end the ranks went to a node just cut off waits on TCP's
+  retransmissions, as the keepalive no longer applies; the launcher ends it.
 
 Ranks run the script under ``python -m mpi4py``, which aborts the whole job when a rank
 leaves through ``sys.exit(non-zero)`` or Ctrl-C (the library's own hook covers uncaught
@@ -50,6 +53,7 @@ in ``.py`` is never taken for the script. Everything after the script goes to th
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import shutil
@@ -79,6 +83,7 @@ __all__ = [
     "Allocation",
     "Command",
     "LaunchArgs",
+    "abort_wait",
     "build_command",
     "cpu_cores",
     "find_mpiexec",
@@ -116,7 +121,9 @@ every DML_* variable and for OMP_NUM_THREADS, MKL_NUM_THREADS and THP_MEM_ALLOC_
 name any other with -x NAME (or -x 'PREFIX*'). It also shortens the keepalive between
 mpiexec and its daemons (--mca oob_tcp_keepalive_time 5, oob_tcp_keepalive_intvl 2,
 oob_tcp_keepalive_probes 3), so a node that stops answering is noticed in about 11 s
-instead of minutes. A value you set yourself wins over each of these."""
+instead of minutes. A value you set yourself wins over each of these. An mpiexec still
+running mpi_abort_delay + 3 s after a rank called MPI_Abort (it can wait many minutes
+on a node cut off) is ended, and the launcher exits with status 1."""
 
 _RANK_OPTIONS = ("-n", "--n", "-np", "--np")
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -138,6 +145,9 @@ _MCA_DEFAULTS = {
     "oob_tcp_keepalive_probes": "3",
     "mpi_abort_delay": "2",
 }
+#: Seconds an mpiexec takes at most to end every rank once a rank's abort reached it (its daemons answer at once).
+#: Still running later, it waits on a daemon it cannot reach: the launcher ends it (supervise.run_supervised).
+ABORT_TEARDOWN = 3.0
 # Rank 0 writes every rank's host to this file (MPIBackend), so that the launcher can name the
 # ranks of a node that mpiexec reports lost.
 _RANK_HOSTS_VAR = "DML_RANK_HOSTS"
@@ -410,18 +420,45 @@ def main(argv: Sequence[str] | None = None, *, python: str | None = None) -> int
         return 0
     if not open_mpi:
         return run_supervised(command.argv, command.env)
+    wait = abort_wait(args.mpiexec_options, os.environ)
     if args.restarts:
 
         def supervised(argv: list[str], env: dict[str, str], tmp: Path, lost: list[str]) -> int:
             rank_hosts = tmp / "rank-hosts"
             argv = [argv[0], "-x", f"{_RANK_HOSTS_VAR}={rank_hosts}", *argv[1:]]
-            return run_supervised(argv, env, rank_hosts, lost)
+            return run_supervised(argv, env, rank_hosts, lost, abort_wait=wait)
 
         return run_with_restarts(args, mpiexec, python, open_mpi, build_command, supervised)
     with tempfile.TemporaryDirectory(prefix="dml-launch-") as tmp:
         rank_hosts = Path(tmp) / "rank-hosts"
         argv = [command.argv[0], "-x", f"{_RANK_HOSTS_VAR}={rank_hosts}", *command.argv[1:]]
-        return run_supervised(argv, command.env, rank_hosts)
+        return run_supervised(argv, command.env, rank_hosts, abort_wait=wait)
+
+
+def abort_wait(options: Sequence[str], environ: Mapping[str, str]) -> float | None:
+    """Seconds an Open MPI mpiexec may run on after a rank's ``MPI_Abort`` report before the launcher ends it.
+
+    That is ``mpi_abort_delay`` (the user's, from ``options`` or ``environ``, else the launcher's 2 s), after which
+    the abort reaches mpiexec, plus ``ABORT_TEARDOWN`` s for mpiexec to end every rank. None (no limit) when the
+    delay is negative, Open MPI's "never abort" (a debugger attaches to the aborting rank).
+
+    Example:
+        >>> abort_wait(["--mca", "mpi_abort_delay", "-1"], {}), abort_wait([], {})
+        (None, 5.0)
+        >>> abort_wait([], {"OMPI_MCA_mpi_abort_delay": "0"})
+        3.0
+    """
+    value = _MCA_DEFAULTS["mpi_abort_delay"]
+    for prefix in _MCA_ENV_PREFIXES:
+        value = environ.get(prefix + "mpi_abort_delay", value)
+    for name, values in given_options(options):
+        if name in MCA_OPTIONS and values[:1] == ["mpi_abort_delay"] and len(values) > 1:
+            value = values[1]
+    try:
+        delay = float(value)
+    except ValueError:  # Open MPI reads what it can; the launcher's default is the safe guess
+        delay = float(_MCA_DEFAULTS["mpi_abort_delay"])
+    return None if delay < 0 or not math.isfinite(delay) else delay + ABORT_TEARDOWN
 
 
 class Allocation(NamedTuple):

@@ -4,11 +4,14 @@ SIGINT, SIGTERM and SIGHUP (a closed terminal or SSH session) are passed on to m
 which ends the ranks; on Linux mpiexec gets SIGTERM when the launcher dies in any other way
 (SIGKILL, an out-of-memory kill), through the kernel's parent-death signal. mpiexec's
 standard output and error pass through the launcher, which watches them for a node that
-Open MPI reports lost and then fails the job, naming that node's ranks.
+Open MPI reports lost and then fails the job, naming that node's ranks, and for a rank's
+``MPI_Abort``: an mpiexec still running some seconds after one is ended (it can wait for many
+minutes on a daemon whose node it can no longer reach).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -33,10 +36,18 @@ _LOST_NODE = re.compile(
     rb"|A daemon failed to report back after being spawned.*?Remote host:[ \t]+(\S+)(?=\s)",  # whole names only
     re.S,
 )
+# What a rank prints when it calls MPI_Abort (Open MPI 4 and 5), before mpi_abort_delay.
+_ABORTED = re.compile(rb"MPI_ABORT was invoked on rank")
+#: Seconds between the SIGTERM that ends an mpiexec stuck after an abort and the SIGKILL that follows.
+END_GRACE = 1.0
 
 
 def run_supervised(
-    argv: list[str], env: Mapping[str, str], rank_hosts: Path | None = None, lost_nodes: list[str] | None = None
+    argv: list[str],
+    env: Mapping[str, str],
+    rank_hosts: Path | None = None,
+    lost_nodes: list[str] | None = None,
+    abort_wait: float | None = None,
 ) -> int:
     """Run ``argv`` with ``env`` added to this environment, passing SIGINT, SIGTERM and SIGHUP on; its exit status.
 
@@ -46,6 +57,12 @@ def run_supervised(
     lost node's ranks are named from ``rank_hosts`` (written by rank 0) when that file exists.
     A node counts as lost when mpiexec loses its daemon there: the node stops answering, or every process on it
     was killed. The lost nodes are also appended to ``lost_nodes`` when given (for the restarts).
+
+    ``abort_wait``: when a rank's ``MPI_Abort`` report has come through and mpiexec is still running this many
+    seconds later, mpiexec is ended (SIGTERM, then SIGKILL ``END_GRACE`` s later, with what it started on this
+    machine) and the status is 1. Open MPI's mpiexec tells every daemon to end its ranks and waits for their
+    answers; a daemon whose node was cut off just before never answers, and once that message is unacknowledged
+    the out-of-band keepalive no longer applies: TCP retransmits for about 15 minutes. None: no limit.
     """
     arm = _die_with_parent()
     # preexec_fn runs between fork and exec; arm only makes four system calls (no imports, no I/O).
@@ -58,11 +75,20 @@ def run_supervised(
 
     previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
     try:
-        code = _wait_copying(proc, lost)
+        code, ended = _wait_copying(proc, lost, abort_wait)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     code = 128 - code if code < 0 else code
+    if ended:
+        print(
+            f"distutils-ml launch: mpiexec was still running {abort_wait:g} s after a rank called MPI_Abort "
+            "(it waits for the daemons of every node to end their ranks, and one it cannot reach, on a node cut off, "
+            "keeps it waiting); the launcher ended it and its processes on this machine",
+            file=sys.stderr,
+            flush=True,
+        )
+        code = 1
     if lost_nodes is not None:
         lost_nodes += list(lost)
     if lost:
@@ -77,9 +103,12 @@ def run_supervised(
     return code
 
 
-def _wait_copying(proc: subprocess.Popen[bytes], lost: dict[str, None]) -> int:
+def _wait_copying(
+    proc: subprocess.Popen[bytes], lost: dict[str, None], abort_wait: float | None = None
+) -> tuple[int, bool]:
     """Copy ``proc``'s standard output and error to ours until it ends, noting each node reported lost; its exit
-    status. Open MPI 5 writes one of its reports to standard output, the other to standard error.
+    status, and whether it was ended here because it outlived a rank's abort by ``abort_wait`` s (see
+    :func:`run_supervised`). Open MPI 5 writes one of its reports to standard output, the other to standard error.
 
     All in this one thread. The kernel sends the parent-death signal each time the thread that
     started mpiexec ends and mpiexec passes to another of this process's threads: a reader thread
@@ -88,6 +117,7 @@ def _wait_copying(proc: subprocess.Popen[bytes], lost: dict[str, None]) -> int:
     """
     assert proc.stdout is not None and proc.stderr is not None
     streams = {proc.stdout.fileno(): _Stream(sys.stdout), proc.stderr.fileno(): _Stream(sys.stderr)}
+    both = list(streams.values())
     if os.name == "nt":  # no select() on pipes, and no parent-death signal to protect: reader threads
         readers = [threading.Thread(target=_copy_all, args=(fd, s, lost), daemon=True) for fd, s in streams.items()]
         for reader in readers:
@@ -95,10 +125,11 @@ def _wait_copying(proc: subprocess.Popen[bytes], lost: dict[str, None]) -> int:
         code = proc.wait()
         for reader in readers:
             reader.join(timeout=2)
-        return code
+        return code, False
     ended = None
+    ending: _Ending | None = None
     # Not until end of file alone: a daemon left on a lost node may hold mpiexec's output open.
-    while streams and (ended is None or time.monotonic() - ended < 2):
+    while ended is None or (streams and time.monotonic() - ended < 2):
         if ended is None and proc.poll() is not None:
             ended = time.monotonic()
         for fd in select.select(list(streams), [], [], 0.2)[0]:
@@ -107,7 +138,63 @@ def _wait_copying(proc: subprocess.Popen[bytes], lost: dict[str, None]) -> int:
                 streams[fd].copy(chunk, lost)
             else:
                 del streams[fd]
-    return proc.wait()
+        if ended is None and abort_wait is not None:
+            aborted = [s.aborted for s in both if s.aborted is not None]
+            if ending is not None:
+                ending.advance()
+            elif aborted and time.monotonic() - min(aborted) > abort_wait:
+                ending = _Ending(proc)
+    code = proc.wait()
+    if ending is not None:
+        ending.finish()
+    return code, ending is not None
+
+
+class _Ending:
+    """Ending ``proc`` and what it started on this machine: SIGTERM now, SIGKILL ``END_GRACE`` s later."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self.family = _descendants(proc.pid)  # before the signal: once it is gone, its children are init's
+        self.killed = False
+        self.since = time.monotonic()
+        proc.terminate()
+
+    def advance(self) -> None:
+        """SIGKILL to it and what it started, once ``END_GRACE`` s have passed since the SIGTERM."""
+        if not self.killed and time.monotonic() - self.since > END_GRACE:
+            self.family.update(_descendants(self.proc.pid))
+            self.proc.kill()
+            self.finish()
+            self.killed = True
+
+    def finish(self) -> None:
+        """SIGKILL what it started that is still running (each process the same as when seen, not a reused number)."""
+        for pid, started in self.family.items():
+            if _started(pid) == started:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """``pid``'s descendants on this machine (Linux's /proc; elsewhere none), each with its start time."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    found = {pid}
+    while grown := {child for child, parent in parents.items() if parent in found} - found:
+        found |= grown
+    return {p: started for p in found - {pid} if (started := _started(p))}
+
+
+def _started(pid: int) -> str:
+    """When ``pid`` started, in clock ticks since boot (empty when there is no such process): a process's identity,
+    as a reused number has another."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
 
 
 class _Stream:
@@ -115,6 +202,7 @@ class _Stream:
 
     def __init__(self, to: TextIO) -> None:
         self.to, self.tail = to, b""
+        self.aborted: float | None = None  # when a rank's MPI_Abort report was first seen (time.monotonic())
 
     def copy(self, chunk: bytes, lost: dict[str, None]) -> None:
         """Write ``chunk`` on, and note each node it reports lost in ``lost``."""
@@ -128,6 +216,8 @@ class _Stream:
         window = self.tail + chunk
         for match in _LOST_NODE.finditer(window):
             lost[(match.group(1) or match.group(2)).decode(errors="replace")] = None
+        if self.aborted is None and _ABORTED.search(window):
+            self.aborted = time.monotonic()
         self.tail = window[-1024:]  # a report split across two reads is still found (once: lost is a set)
 
 

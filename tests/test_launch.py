@@ -478,6 +478,62 @@ def test_a_node_lost_fails_the_job_though_mpiexec_exits_0(
     assert sorted(lost) == ["node-b", "node-c"]
 
 
+# A stand-in for an mpiexec left waiting after an abort: it starts a child (as mpiexec starts ranks and agents), prints
+# what a rank's MPI_Abort prints, then ignores SIGTERM and waits, as mpiexec does for a daemon it cannot reach.
+_STUCK = """
+import signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(child.pid, flush=True)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+sys.stderr.write("MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD\\n"); sys.stderr.flush()
+time.sleep(int(sys.argv[1]))
+sys.exit(5)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="its processes are found through Linux's /proc")
+def test_an_mpiexec_still_running_after_an_abort_is_ended_with_what_it_started(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """``abort_wait`` s after the abort's report, SIGTERM (ignored), SIGKILL a second later, to it and its child."""
+    start = time.monotonic()
+    code = run_supervised([sys.executable, "-c", _STUCK, "600"], {}, abort_wait=1.0)
+    took = time.monotonic() - start
+    out, err = capfd.readouterr()
+    child = int(out.split()[0])
+    assert code == 1, err
+    assert "mpiexec was still running 1 s after a rank called MPI_Abort" in err and "ended it" in err, err
+    assert 2 < took < 10, took  # the wait and the grace, not the stand-in's 600 s
+    deadline = time.monotonic() + 5
+    while _running(child) and time.monotonic() < deadline:  # SIGKILLed: gone as soon as init reaps it
+        time.sleep(0.05)
+    assert not _running(child), "the stuck mpiexec's child is still running"
+
+
+@pytest.mark.parametrize("wait", [None, 30.0])
+def test_an_mpiexec_that_ends_within_the_wait_or_without_one_keeps_its_status(
+    capfd: pytest.CaptureFixture[str], wait: float | None
+) -> None:
+    code = run_supervised([sys.executable, "-c", _STUCK, "2"], {}, abort_wait=wait)
+    out, err = capfd.readouterr()
+    child = int(out.split()[0])
+    os.kill(child, signal.SIGKILL)  # not this test's: the stand-in leaves it, as a real mpiexec would not
+    assert code == 5 and "ended it" not in err, err
+
+
+def test_the_wait_after_an_abort_is_open_mpis_abort_delay_and_a_teardown() -> None:
+    """The user's mpi_abort_delay (an option, else the environment), else the launcher's 2 s; a negative one (a
+    debugger's "never abort") sets no limit."""
+    teardown = launch.ABORT_TEARDOWN
+    assert launch.abort_wait([], {}) == 2 + teardown
+    assert launch.abort_wait([], {"PRTE_MCA_mpi_abort_delay": "10"}) == 10 + teardown
+    given = ["-x", "A=1", "--mca", "mpi_abort_delay", "0.5", "--mca", "btl", "^ofi"]
+    assert launch.abort_wait(given, {"OMPI_MCA_mpi_abort_delay": "10"}) == 0.5 + teardown
+    assert launch.abort_wait(["--prtemca", "mpi_abort_delay", "-1"], {}) is None
+    assert launch.abort_wait([], {"OMPI_MCA_mpi_abort_delay": "-1"}) is None
+    assert launch.abort_wait(["--mca", "mpi_abort_delay", "soon"], {}) == 2 + teardown
+
+
 @requires_mpi
 def test_real_job_ranks_get_their_threads() -> None:
     cmd = [sys.executable, "-m", "distutils_ml.launch", "launch", "-n", "2", "--threads-per-rank", "2"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -116,6 +117,13 @@ def train(state: dml.TrainState, loader: Any, directory: str, stop: int | None =
 
 def exact_body(world: dml.Backend, case: Case) -> None:
     root = dml.bcast_object(world, tempfile.mkdtemp(prefix="dml-ts-") if world.rank == 0 else None)
+    _exact(world, case, root)
+    dml.barrier(world)  # every rank is done with the checkpoints (a failed example leaves them to look at)
+    if world.rank == 0:
+        shutil.rmtree(root)
+
+
+def _exact(world: dml.Backend, case: Case, root: str) -> None:
     whole = train(*build(world, case), os.path.join(root, "whole"))
     assert whole is not None
     cut, loader = build(world, case)
