@@ -122,7 +122,7 @@ name any other with -x NAME (or -x 'PREFIX*'). It also shortens the keepalive be
 mpiexec and its daemons (--mca oob_tcp_keepalive_time 5, oob_tcp_keepalive_intvl 2,
 oob_tcp_keepalive_probes 3), so a node that stops answering is noticed in about 11 s
 instead of minutes. A value you set yourself wins over each of these. An mpiexec still
-running mpi_abort_delay + 3 s after a rank called MPI_Abort (it can wait many minutes
+running mpi_abort_delay + 3 s after a rank aborted the job (it can wait many minutes
 on a node cut off) is ended, and the launcher exits with status 1."""
 
 _RANK_OPTIONS = ("-n", "--n", "-np", "--np")

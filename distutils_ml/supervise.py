@@ -5,7 +5,7 @@ which ends the ranks; on Linux mpiexec gets SIGTERM when the launcher dies in an
 (SIGKILL, an out-of-memory kill), through the kernel's parent-death signal. mpiexec's
 standard output and error pass through the launcher, which watches them for a node that
 Open MPI reports lost and then fails the job, naming that node's ranks, and for a rank's
-``MPI_Abort``: an mpiexec still running some seconds after one is ended (it can wait for many
+abort (``MPI_Abort``, or an MPI error): an mpiexec still running some seconds after one is ended (it can wait for many
 minutes on a daemon whose node it can no longer reach).
 """
 
@@ -36,8 +36,9 @@ _LOST_NODE = re.compile(
     rb"|A daemon failed to report back after being spawned.*?Remote host:[ \t]+(\S+)(?=\s)",  # whole names only
     re.S,
 )
-# What a rank prints when it calls MPI_Abort (Open MPI 4 and 5), before mpi_abort_delay.
-_ABORTED = re.compile(rb"MPI_ABORT was invoked on rank")
+# What a rank prints when it aborts (Open MPI 4 and 5), before mpi_abort_delay: MPI_Abort, or an MPI error under
+# the default error handler (a peer's connection closed).
+_ABORTED = re.compile(rb"MPI_ABORT was invoked on rank|\*\*\* MPI_ERRORS_ARE_FATAL \(processes in this communicator")
 #: Seconds between the SIGTERM that ends an mpiexec stuck after an abort and the SIGKILL that follows.
 END_GRACE = 1.0
 
@@ -58,11 +59,12 @@ def run_supervised(
     A node counts as lost when mpiexec loses its daemon there: the node stops answering, or every process on it
     was killed. The lost nodes are also appended to ``lost_nodes`` when given (for the restarts).
 
-    ``abort_wait``: when a rank's ``MPI_Abort`` report has come through and mpiexec is still running this many
-    seconds later, mpiexec is ended (SIGTERM, then SIGKILL ``END_GRACE`` s later, with what it started on this
-    machine) and the status is 1. Open MPI's mpiexec tells every daemon to end its ranks and waits for their
-    answers; a daemon whose node was cut off just before never answers, and once that message is unacknowledged
-    the out-of-band keepalive no longer applies: TCP retransmits for about 15 minutes. None: no limit.
+    ``abort_wait``: when a rank's abort report (``MPI_Abort``, or an MPI error) has come through and mpiexec is
+    still running this many seconds later, mpiexec is ended (SIGTERM, then SIGKILL ``END_GRACE`` s later, with what
+    it started on this machine) and the status is 1. Open MPI's mpiexec tells every daemon to end its ranks and
+    waits for their answers; a daemon whose node was cut off just before never answers, and once that message is
+    unacknowledged the out-of-band keepalive no longer applies: TCP retransmits for about 15 minutes. None: no
+    limit.
     """
     arm = _die_with_parent()
     # preexec_fn runs between fork and exec; arm only makes four system calls (no imports, no I/O).
@@ -82,7 +84,7 @@ def run_supervised(
     code = 128 - code if code < 0 else code
     if ended:
         print(
-            f"distutils-ml launch: mpiexec was still running {abort_wait:g} s after a rank called MPI_Abort "
+            f"distutils-ml launch: mpiexec was still running {abort_wait:g} s after a rank aborted the job "
             "(it waits for the daemons of every node to end their ranks, and one it cannot reach, on a node cut off, "
             "keeps it waiting); the launcher ended it and its processes on this machine",
             file=sys.stderr,
@@ -202,7 +204,7 @@ class _Stream:
 
     def __init__(self, to: TextIO) -> None:
         self.to, self.tail = to, b""
-        self.aborted: float | None = None  # when a rank's MPI_Abort report was first seen (time.monotonic())
+        self.aborted: float | None = None  # when a rank's abort report was first seen (time.monotonic())
 
     def copy(self, chunk: bytes, lost: dict[str, None]) -> None:
         """Write ``chunk`` on, and note each node it reports lost in ``lost``."""
