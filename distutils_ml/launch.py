@@ -24,7 +24,7 @@ needs, unless the user already said otherwise:
   that stops answering (a pulled cable) is noticed after about 5 + 2 * 3 = 11 s instead of
   Open MPI's 300 + 20 * 9 s. A value the user set (``--mca``/``--prtemca NAME VALUE``, or
   ``PRTE_MCA_NAME`` / ``OMPI_MCA_NAME`` in the environment) wins;
-- with Open MPI, a limit on the wait after a rank's ``MPI_Abort`` (``abort_wait``): an
+- with Open MPI, a limit on the wait after a rank's abort (``abort_wait``): an
   ``mpiexec`` whose order to end the ranks went to a node just cut off waits on TCP's
   retransmissions, as the keepalive no longer applies; the launcher ends it.
 
@@ -436,7 +436,7 @@ def main(argv: Sequence[str] | None = None, *, python: str | None = None) -> int
 
 
 def abort_wait(options: Sequence[str], environ: Mapping[str, str]) -> float | None:
-    """Seconds an Open MPI mpiexec may run on after a rank's ``MPI_Abort`` report before the launcher ends it.
+    """Seconds an Open MPI mpiexec may run on after a rank's abort report before the launcher ends it.
 
     That is ``mpi_abort_delay`` (the user's, from ``options`` or ``environ``, else the launcher's 2 s), after which
     the abort reaches mpiexec, plus ``ABORT_TEARDOWN`` s for mpiexec to end every rank. None (no limit) when the

@@ -5,8 +5,8 @@ which ends the ranks; on Linux mpiexec gets SIGTERM when the launcher dies in an
 (SIGKILL, an out-of-memory kill), through the kernel's parent-death signal. mpiexec's
 standard output and error pass through the launcher, which watches them for a node that
 Open MPI reports lost and then fails the job, naming that node's ranks, and for a rank's
-abort (``MPI_Abort``, or an MPI error): an mpiexec still running some seconds after one is ended (it can wait for many
-minutes on a daemon whose node it can no longer reach).
+abort (``MPI_Abort``, or an MPI error): an mpiexec still running some seconds after one is
+ended (it can wait for many minutes on a daemon whose node it can no longer reach).
 """
 
 from __future__ import annotations
@@ -77,12 +77,12 @@ def run_supervised(
 
     previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
     try:
-        code, ended = _wait_copying(proc, lost, abort_wait)
+        code, cut_short = _wait_copying(proc, lost, abort_wait)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     code = 128 - code if code < 0 else code
-    if ended:
+    if cut_short:
         print(
             f"distutils-ml launch: mpiexec was still running {abort_wait:g} s after a rank aborted the job "
             "(it waits for the daemons of every node to end their ranks, and one it cannot reach, on a node cut off, "
