@@ -180,23 +180,31 @@ class _Ending:
 
 def _descendants(pid: int) -> dict[int, str]:
     """``pid``'s descendants on this machine (Linux's /proc; elsewhere none), each with its start time."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    stats = {int(p.parent.name): fields for p in Path("/proc").glob("[0-9]*/stat") if (fields := _stat(p.parent.name))}
+    parents = {p: int(fields[1]) for p, fields in stats.items()}
     found = {pid}
     while grown := {child for child, parent in parents.items() if parent in found} - found:
         found |= grown
-    return {p: started for p in found - {pid} if (started := _started(p))}
+    return {p: stats[p][_STARTTIME] for p in found - {pid}}
 
 
 def _started(pid: int) -> str:
     """When ``pid`` started, in clock ticks since boot (empty when there is no such process): a process's identity,
     as a reused number has another."""
+    fields = _stat(str(pid))
+    return fields[_STARTTIME] if fields else ""
+
+
+def _stat(pid: str) -> list[str]:
+    """The fields of /proc/PID/stat after the command's name (state, parent, ...; empty when there is none)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return ""
+        return []
+    return fields if len(fields) > _STARTTIME else []
+
+
+_STARTTIME = 19  # in _stat's fields (field 22 of proc(5), counted from 1 with the pid and the name)
 
 
 class _Stream:
