@@ -533,18 +533,26 @@ def connect_gloo(backend: Backend, hosts: list[str], ifname_env: str) -> tuple[G
     if where[3]:
         return None, where[3]
     group, problem = None, why
-    if not problem:
+    if store is None and not problem:
         try:
-            if store is None:
-                store = torch.distributed.TCPStore(where[0], where[1], W, False, timeout)
-            options = torch.distributed.ProcessGroupGloo._Options()
-            options._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=address)]
-            options._timeout = timeout
-            group = torch.distributed.ProcessGroupGloo(
-                torch.distributed.PrefixStore(f"dml/{where[2]}", store), r, W, options
-            )
+            store = torch.distributed.TCPStore(where[0], where[1], W, False, timeout)
         except Exception as e:
-            problem = f"{type(e).__name__}: {e}"
+            problem = f"could not reach the rendezvous store on {where[0]}:{where[1]}: {type(e).__name__}: {e}"
+    # Every rank holds the store before any makes its group: gloo's timeout then runs from one moment on every rank,
+    # and a rank that came late (a slow start, a loaded host) is waited for by this collective, under the stall
+    # watchdog, which names it; not by gloo's timeout, which would fail the group on the punctual ranks alone.
+    reached = allgather_object(backend, problem)
+    if any(reached):
+        return None, "; ".join(f"rank {k}: {w}" for k, w in enumerate(reached) if w)
+    try:
+        options = torch.distributed.ProcessGroupGloo._Options()
+        options._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=address)]
+        options._timeout = timeout
+        group = torch.distributed.ProcessGroupGloo(
+            torch.distributed.PrefixStore(f"dml/{where[2]}", store), r, W, options
+        )
+    except Exception as e:
+        problem = f"{type(e).__name__}: {e}"
     outcome = allgather_object(backend, (problem, address))
     failed = {k: w for k, (w, _) in enumerate(outcome) if w}
     if failed:

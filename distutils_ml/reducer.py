@@ -513,6 +513,13 @@ def agree_on_settings(
     if (every == every[0]).all():
         return
     values = allgather_object(backend, (*settings, _describe(params, labels())))
+    odd = [r for r, v in enumerate(values) if not _is_settings(v, len(settings))]
+    if odd:  # what came is no rank's settings: some rank is in another collective
+        raise RuntimeError(
+            f"{caller}: comparing the configuration across ranks, {ranks_text(odd)} sent something else "
+            f"({type(values[odd[0]]).__name__}): the ranks' collectives are out of step (a rank skipped or added "
+            "one). Run with DML_DEBUG=1 to name the call that differs"
+        )
     lines = []
     names = (*_SETTINGS[: len(settings)], _SETTINGS[-1])
     for k, name in enumerate(names):
@@ -523,6 +530,14 @@ def agree_on_settings(
         f"{caller}: the ranks are configured differently: {'; '.join(lines)}. {fix}, over the "
         "same parameters in the same order (same shapes, dtypes and device types), on every rank"
     )
+
+
+def _is_settings(value: Any, count: int) -> bool:
+    """Whether ``value`` is what :func:`agree_on_settings` sends: ``count`` settings, then the parameters'
+    (name, description) pairs."""
+    if not (isinstance(value, tuple) and len(value) == count + 1 and isinstance(value[-1], list)):
+        return False
+    return all(isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in value[-1])
 
 
 def _describe(params: list[torch.Tensor], labels: list[str]) -> list[tuple[str, str]]:

@@ -93,3 +93,28 @@ def test_reducer_job_under_mpiexec(ranks: int) -> None:
     checks = "grads_ready errors collective_in_backward buffers train_overlap unused_overlap"
     assert f"REDUCER CHECKS PASSED: {checks} on {ranks} ranks" in job.output, job.output[-8000:]
     assert_checks_passed(job, checks.split(), ranks)
+
+
+def test_settings_compared_against_another_collective_are_an_error_not_a_crash() -> None:
+    """A rank out of step (in another allgather, then another allgather_object) while the others compare their
+    configuration: they raise a RuntimeError saying so, not an IndexError from the message."""
+    import numpy as np
+
+    from distutils_ml.reducer import agree_on_settings
+
+    def body(world: dml.Backend) -> str:
+        params = [torch.zeros(3)]
+        if world.rank == 1:
+            dml.allgather(world, np.full(2, 7, dtype=np.int64), np.empty((world.size, 2), dtype=np.int64))
+            dml.allgather_object(world, ("stray", "call"))
+            return "out of step"
+        try:
+            agree_on_settings(world, "Caller", "fix", ("avg",), params=params, labels=lambda: ["w"])
+        except RuntimeError as e:
+            return str(e)
+        return "no error"
+
+    seen = dml.LocalBackend.spawn(2, body, timeout=60)
+    assert seen[1] == "out of step"
+    assert "rank 1 sent something else (tuple): the ranks' collectives are out of step" in seen[0], seen[0]
+    assert "DML_DEBUG=1" in seen[0], seen[0]

@@ -92,6 +92,16 @@ def test_gloo_on_an_interface_that_does_not_exist_is_an_error_on_every_rank() ->
     assert job.output.count("refused") == 2, job.output[-8000:]
 
 
+@requires_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_rank_reaching_the_store_after_gloos_timeout_still_joins_the_group(ranks: int) -> None:
+    # the stall watchdog (30 s) would name a rank that never came; gloo's own timeout (3 s) must not end a late one
+    envs = [{"DML_TRANSPORT": "gloo", "DML_TIMEOUT": "30", "DML_GLOO_TIMEOUT": "3"}] * ranks
+    job = run_mpi(ranks, ["tests/transport_job.py", "late"], envs=envs, timeout=120)
+    assert job.returncode == 0, job.output[-8000:]
+    assert job.output.count("the late rank joined the gloo group") == ranks, job.output[-8000:]
+
+
 def test_gloo_timeout_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     from distutils_ml.gloo import _timeout
 

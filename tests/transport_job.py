@@ -6,8 +6,8 @@ buffer (hypothesis: sizes, dtypes, ops), bit-identical on every rank; ``inflight
 completed at different points on different ranks; ``buckets``: the gradient buckets of a
 model going over it. ``agree``: ``DML_TRANSPORT`` set differently on the ranks is a ValueError on every
 rank. ``broken``: a failed call breaks the transport on every rank. ``bucket_fails`` (must end the job): a
-rank's bucket fails mid-backward. ``dies`` (must end the job): a rank killed while its peers are in no call. Rank 0
-ends with ``TRANSPORT CHECKS PASSED``.
+rank's bucket fails mid-backward. ``late``: a rank reaches the group's store after gloo's timeout. ``dies``
+(must end the job): a rank killed while its peers are in no call. Rank 0 ends with ``TRANSPORT CHECKS PASSED``.
 """
 
 from __future__ import annotations
@@ -296,6 +296,35 @@ def fallback_body(world: dml.Backend) -> str:
     return "fell back to MPI"
 
 
+def late_body(world: dml.Backend) -> str:
+    """The last rank reaches the gloo group's store late, after gloo's timeout (``DML_GLOO_TIMEOUT``) has passed
+    on the others (a slow start, a loaded host): every rank still joins the group, and a bucket goes over it."""
+    import time
+
+    late = world.size - 1
+    real = torch.distributed.TCPStore
+
+    def late_client(*args: Any, **kwargs: Any) -> Any:
+        if world.rank == late:
+            time.sleep(float(os.environ["DML_GLOO_TIMEOUT"]) + 2)
+        return real(*args, **kwargs)
+
+    torch.distributed.TCPStore = late_client  # type: ignore[misc]
+    try:
+        ring = transport_for(world)
+    finally:
+        torch.distributed.TCPStore = real  # type: ignore[misc]
+    assert ring is not None, "the late rank did not join the gloo group"
+    model = dml.synchronize(world, torch.nn.Linear(8, 2))
+    opt = dml.DistributedOptimizer(world, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert opt.overlap, "the gloo group joined, but overlap is off"
+    model(torch.full((2, 8), float(world.rank))).sum().backward()
+    want = torch.full((2, 8), (world.size - 1) / 2).sum(0)  # the mean over ranks of each rank's input sum
+    assert torch.equal(model.weight.grad[0], want), (model.weight.grad, want)
+    opt.step()
+    return "the late rank joined the gloo group"
+
+
 def debug_body(world: dml.Backend) -> str:
     """Debug mode compares every gloo call across ranks first: calls that differ raise on every rank, and the
     transport goes on working."""
@@ -481,6 +510,7 @@ def main(names: list[str]) -> None:
         "debug": lambda: dml.print(world, debug_body(world)),
         "bucket_fails": lambda: bucket_fails_body(world),
         "fallback": lambda: dml.print(world, fallback_body(world)),
+        "late": lambda: dml.print(world, late_body(world)),
         "close": lambda: dml.print(world, close_body(world)),
         "fork": lambda: dml.print(world, fork_body(world)),
         "dies": lambda: dies_body(world),
