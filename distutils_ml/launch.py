@@ -33,8 +33,9 @@ leaves through ``sys.exit(non-zero)`` or Ctrl-C (the library's own hook covers u
 exceptions, but Python gives no hook for ``SystemExit``).
 
 The job ends with the launcher: SIGINT, SIGTERM and SIGHUP (a closed terminal or SSH
-session) are passed on to mpiexec, which ends the ranks; and on Linux mpiexec gets SIGTERM
-when the launcher dies in any other way (SIGKILL, an out-of-memory kill), through the
+session) are passed on to mpiexec, which ends the ranks (an mpiexec still running 30 s later, waiting on a
+node cut off, is ended by the launcher; under ``--restarts`` such an attempt is not restarted); and on Linux
+mpiexec gets SIGTERM when the launcher dies in any other way (SIGKILL, an out-of-memory kill), through the
 kernel's parent-death signal. Other systems have no such signal: there a launcher killed
 with SIGKILL leaves mpiexec and the ranks running.
 
@@ -76,7 +77,7 @@ from distutils_ml.mpiexec_options import (
     given_options,
     values_taken,
 )
-from distutils_ml.restarts import run_with_restarts
+from distutils_ml.restarts import Stopped, run_with_restarts
 from distutils_ml.supervise import run_supervised
 
 __all__ = [
@@ -426,7 +427,11 @@ def main(argv: Sequence[str] | None = None, *, python: str | None = None) -> int
         def supervised(argv: list[str], env: dict[str, str], tmp: Path, lost: list[str]) -> int:
             rank_hosts = tmp / "rank-hosts"
             argv = [argv[0], "-x", f"{_RANK_HOSTS_VAR}={rank_hosts}", *argv[1:]]
-            return run_supervised(argv, env, rank_hosts, lost, abort_wait=wait)
+            signals: list[int] = []
+            code = run_supervised(argv, env, rank_hosts, lost, abort_wait=wait, signals=signals)
+            if signals:
+                raise Stopped(code, signals[0])
+            return code
 
         return run_with_restarts(args, mpiexec, python, open_mpi, build_command, supervised)
     with tempfile.TemporaryDirectory(prefix="dml-launch-") as tmp:

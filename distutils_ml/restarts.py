@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,7 @@ from distutils_ml import sessiondirs
 from distutils_ml.mpiexec_options import HOST_OPTIONS, given_options, values_taken
 from distutils_ml.trainstate import RESUME_REPORT_ENV
 
-__all__ = ["allocation_hosts", "answering", "hosts_of", "run_with_restarts", "without_hosts"]
+__all__ = ["Stopped", "allocation_hosts", "answering", "hosts_of", "run_with_restarts", "without_hosts"]
 
 _PROBE_S = 20.0
 _PROBE_TRIES = 3
@@ -170,6 +171,16 @@ def _end(proc: subprocess.Popen[str]) -> None:
                 proc.wait(timeout=5)
 
 
+class Stopped(Exception):
+    """Raised by the ``supervise`` of :func:`run_with_restarts` when a signal passed on to mpiexec ended the attempt
+    (Ctrl-C, ``kill``, ``scancel``): restarting would undo what was asked, as torchrun does not restart either."""
+
+    def __init__(self, code: int, signum: int) -> None:
+        super().__init__(code, signum)
+        self.code = code
+        self.signal_name = signal.Signals(signum).name
+
+
 def run_with_restarts(  # noqa: PLR0917 - the launcher's pieces, passed in by launch.main
     args: Any, mpiexec: str, python: str | None, open_mpi: bool, build: Any, supervise: Any
 ) -> int:
@@ -196,7 +207,11 @@ def run_with_restarts(  # noqa: PLR0917 - the launcher's pieces, passed in by la
             argv = [command.argv[0], "-x", f"{RESUME_REPORT_ENV}={report}", *command.argv[1:]]
             _say(f"attempt {attempt} of {attempts}: {ranks} rank(s) on {', '.join(nodes)}")
             lost: list[str] = []  # the nodes where mpiexec lost its daemon
-            code = supervise(argv, command.env, Path(tmp), lost)
+            try:
+                code = supervise(argv, command.env, Path(tmp), lost)
+            except Stopped as stop:  # the user's (or SLURM's) signal ended the attempt: the job is not restarted
+                _say(f"attempt {attempt} was stopped by {stop.signal_name} (exit status {stop.code}); not restarting")
+                return stop.code
             resumed = _read_report(report)
         if resumed is not None:
             _say(f"attempt {attempt} resumed from {resumed}")

@@ -41,6 +41,8 @@ _LOST_NODE = re.compile(
 _ABORTED = re.compile(rb"MPI_ABORT was invoked on rank|\*\*\* MPI_ERRORS_ARE_FATAL \(processes in this communicator")
 #: Seconds between the SIGTERM that ends an mpiexec stuck after an abort and the SIGKILL that follows.
 END_GRACE = 1.0
+#: Seconds mpiexec gets to end the job after the launcher passed it a signal (torchrun's and SLURM's KillWait: 30).
+SIGNAL_WAIT = 30.0
 
 
 def run_supervised(
@@ -48,7 +50,10 @@ def run_supervised(
     env: Mapping[str, str],
     rank_hosts: Path | None = None,
     lost_nodes: list[str] | None = None,
+    *,
     abort_wait: float | None = None,
+    signal_wait: float | None = SIGNAL_WAIT,
+    signals: list[int] | None = None,
 ) -> int:
     """Run ``argv`` with ``env`` added to this environment, passing SIGINT, SIGTERM and SIGHUP on; its exit status.
 
@@ -65,32 +70,46 @@ def run_supervised(
     waits for their answers; a daemon whose node was cut off just before never answers, and once that message is
     unacknowledged the out-of-band keepalive no longer applies: TCP retransmits for about 15 minutes. None: no
     limit.
+
+    ``signal_wait``: mpiexec still running this many seconds after the first signal passed on to it is ended the same
+    way, for the same reason (its daemon on a node cut off never answers), and the status is 128 + that signal's
+    number. None: no limit. The signals passed on are appended to ``signals`` when given (the restarts stop).
     """
     arm = _die_with_parent()
     # preexec_fn runs between fork and exec; arm only makes four system calls (no imports, no I/O).
     pipe = subprocess.PIPE
     proc = subprocess.Popen(argv, env={**os.environ, **env}, preexec_fn=arm, stdout=pipe, stderr=pipe)  # noqa: PLW1509
     lost: dict[str, None] = {}
+    signalled: list[tuple[int, float]] = []  # the first signal passed on, and when
 
     def forward(signum: int, _frame: FrameType | None) -> None:
+        if not signalled:
+            signalled.append((signum, time.monotonic()))
         proc.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
     try:
-        code, cut_short = _wait_copying(proc, lost, abort_wait)
+        code, cut_short = _wait_copying(proc, lost, abort_wait, signalled, signal_wait)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     code = 128 - code if code < 0 else code
     if cut_short:
+        after = (
+            f"{abort_wait:g} s after a rank aborted the job"
+            if cut_short == "abort"
+            else f"{signal_wait:g} s after the launcher passed it {signal.Signals(signalled[0][0]).name}"
+        )
         print(
-            f"distutils-ml launch: mpiexec was still running {abort_wait:g} s after a rank aborted the job "
-            "(it waits for the daemons of every node to end their ranks, and one it cannot reach, on a node cut off, "
-            "keeps it waiting); the launcher ended it and its processes on this machine",
+            f"distutils-ml launch: mpiexec was still running {after} (it waits for the daemons of every node to end "
+            "their ranks, and one it cannot reach, on a node cut off, keeps it waiting); the launcher ended it and its "
+            "processes on this machine",
             file=sys.stderr,
             flush=True,
         )
-        code = 1
+        code = 1 if cut_short == "abort" else 128 + signalled[0][0]
+    if signals is not None:
+        signals += [signum for signum, _ in signalled]
     if lost_nodes is not None:
         lost_nodes += list(lost)
     if lost:
@@ -106,10 +125,15 @@ def run_supervised(
 
 
 def _wait_copying(
-    proc: subprocess.Popen[bytes], lost: dict[str, None], abort_wait: float | None = None
-) -> tuple[int, bool]:
+    proc: subprocess.Popen[bytes],
+    lost: dict[str, None],
+    abort_wait: float | None = None,
+    signalled: list[tuple[int, float]] | None = None,
+    signal_wait: float | None = None,
+) -> tuple[int, str]:
     """Copy ``proc``'s standard output and error to ours until it ends, noting each node reported lost; its exit
-    status, and whether it was ended here because it outlived a rank's abort by ``abort_wait`` s (see
+    status, and why it was ended here ("": it was not): "abort", it outlived a rank's abort by ``abort_wait`` s, or
+    "signal", the first signal passed on to it (``signalled``: its number and time) by ``signal_wait`` s (see
     :func:`run_supervised`). Open MPI 5 writes one of its reports to standard output, the other to standard error.
 
     All in this one thread. The kernel sends the parent-death signal each time the thread that
@@ -127,9 +151,10 @@ def _wait_copying(
         code = proc.wait()
         for reader in readers:
             reader.join(timeout=2)
-        return code, False
+        return code, ""
     ended = None
     ending: _Ending | None = None
+    why = ""
     # Not until end of file alone: a daemon left on a lost node may hold mpiexec's output open.
     while ended is None or (streams and time.monotonic() - ended < 2):
         if ended is None and proc.poll() is not None:
@@ -140,16 +165,22 @@ def _wait_copying(
                 streams[fd].copy(chunk, lost)
             else:
                 del streams[fd]
-        if ended is None and abort_wait is not None:
-            aborted = [s.aborted for s in both if s.aborted is not None]
+        if ended is None:
             if ending is not None:
                 ending.advance()
-            elif aborted and time.monotonic() - min(aborted) > abort_wait:
+                continue
+            now = time.monotonic()
+            aborted = [s.aborted for s in both if s.aborted is not None]
+            if abort_wait is not None and aborted and now - min(aborted) > abort_wait:
+                why = "abort"
+            elif signal_wait is not None and signalled and now - signalled[0][1] > signal_wait:
+                why = "signal"
+            if why:
                 ending = _Ending(proc)
     code = proc.wait()
     if ending is not None:
         ending.finish()
-    return code, ending is not None
+    return code, why
 
 
 class _Ending:

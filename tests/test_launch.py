@@ -419,6 +419,68 @@ def test_signals_reach_mpiexec_and_its_status_comes_back(tmp_path: Path, signum:
         sender.join()
 
 
+def _fake_open_mpi(tmp_path: Path, on_signal: str) -> tuple[Path, Path]:
+    """A stand-in Open MPI mpiexec (it says so to ``--version``) that counts its starts in a file, touches ``ready``,
+    runs ``on_signal`` (a trap action) on SIGINT, SIGTERM and SIGHUP, and waits; (its path, the counter)."""
+    ready, starts, fake = tmp_path / "ready", tmp_path / "starts", tmp_path / "mpiexec"
+    fake.write_text(
+        "#!/bin/sh\n"
+        "[ \"$1\" = --version ] && { echo 'mpiexec (Open MPI) 5.0.0'; exit 0; }\n"
+        f"echo started >> {starts}\ntrap '{on_signal}' INT TERM HUP\ntouch {ready}\n"
+        "while :; do sleep 0.05; done\n"
+    )
+    fake.chmod(0o755)
+    return fake, starts
+
+
+def _signal_when_ready(ready: Path, signum: int) -> threading.Thread:
+    def send() -> None:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if ready.exists():
+            os.kill(os.getpid(), signum)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    return sender
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_that_ends_an_attempt_is_not_restarted(
+    tmp_path: Path, signum: int, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C, kill or scancel during ``--restarts``: the job ends with the attempt (as torchrun's agent does)."""
+    _fake_open_mpi(tmp_path, "exit 7")
+    sender = _signal_when_ready(tmp_path / "ready", signum)
+    try:
+        code = main(["launch", "-n", "2", "--restarts", "3", "train.py"], python=str(tmp_path / "python"))
+    finally:
+        sender.join()
+    err = capfd.readouterr().err
+    assert code == 7, err
+    assert (tmp_path / "starts").read_text().count("started") == 1, err
+    assert f"attempt 1 was stopped by {signal.Signals(signum).name} (exit status 7); not restarting" in err, err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="its processes are found through Linux's /proc")
+def test_an_mpiexec_still_running_after_a_signal_is_ended(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """An mpiexec that a passed-on SIGTERM does not end (its daemon on a node cut off never answers) is ended
+    ``signal_wait`` s later, with what it started; the status is 128 + SIGTERM."""
+    fake, _ = _fake_open_mpi(tmp_path, ":")  # the trap does nothing: it keeps waiting
+    sender = _signal_when_ready(tmp_path / "ready", signal.SIGTERM)
+    start = time.monotonic()
+    try:
+        code = run_supervised([str(fake)], {}, signal_wait=1.0)
+    finally:
+        sender.join()
+    took = time.monotonic() - start
+    err = capfd.readouterr().err
+    assert code == 128 + signal.SIGTERM, err
+    assert "mpiexec was still running 1 s after the launcher passed it SIGTERM" in err and "ended it" in err, err
+    assert took < 10, took  # the wait and the grace, not forever
+
+
 # What Open MPI 5's mpiexec writes when a node stops answering, and when the daemon it started on a node ends while
 # the job runs (every process there killed); it may exit 0 after either (both seen on the namespace cluster).
 _UNREACHABLE = """--------------------------------------------------------------------------
