@@ -73,7 +73,7 @@ def run_supervised(
 
     ``signal_wait``: mpiexec still running this many seconds after the first signal passed on to it is ended the same
     way, for the same reason (its daemon on a node cut off never answers), and the status is 128 + that signal's
-    number. None: no limit. The signals passed on are appended to ``signals`` when given (the restarts stop).
+    number. None: no limit. The first signal passed on is appended to ``signals`` when given (the restarts stop).
     """
     arm = _die_with_parent()
     # preexec_fn runs between fork and exec; arm only makes four system calls (no imports, no I/O).

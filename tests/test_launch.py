@@ -394,15 +394,8 @@ def test_root_is_refused_before_launching() -> None:
 # --- running ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
-def test_signals_reach_mpiexec_and_its_status_comes_back(tmp_path: Path, signum: int) -> None:
-    ready = tmp_path / "ready"
-    fake = tmp_path / "mpiexec"
-    script = (
-        f"[ \"$1\" = --version ] && exit 0\ntrap 'exit 7' INT TERM HUP\ntouch {ready}\nwhile :; do sleep 0.05; done\n"
-    )
-    fake.write_text("#!/bin/sh\n" + script)
-    fake.chmod(0o755)
+def _signal_when_ready(ready: Path, signum: int) -> threading.Thread:
+    """A started thread that sends ``signum`` to this process once ``ready`` exists (30 s at most)."""
 
     def send() -> None:
         deadline = time.monotonic() + 30
@@ -413,6 +406,19 @@ def test_signals_reach_mpiexec_and_its_status_comes_back(tmp_path: Path, signum:
 
     sender = threading.Thread(target=send)
     sender.start()
+    return sender
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_signals_reach_mpiexec_and_its_status_comes_back(tmp_path: Path, signum: int) -> None:
+    ready = tmp_path / "ready"
+    fake = tmp_path / "mpiexec"
+    script = (
+        f"[ \"$1\" = --version ] && exit 0\ntrap 'exit 7' INT TERM HUP\ntouch {ready}\nwhile :; do sleep 0.05; done\n"
+    )
+    fake.write_text("#!/bin/sh\n" + script)
+    fake.chmod(0o755)
+    sender = _signal_when_ready(ready, signum)
     try:
         assert main(["launch", "-n", "2", "train.py"], python=str(tmp_path / "python")) == 7
     finally:
@@ -431,19 +437,6 @@ def _fake_open_mpi(tmp_path: Path, on_signal: str) -> tuple[Path, Path]:
     )
     fake.chmod(0o755)
     return fake, starts
-
-
-def _signal_when_ready(ready: Path, signum: int) -> threading.Thread:
-    def send() -> None:
-        deadline = time.monotonic() + 30
-        while not ready.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if ready.exists():
-            os.kill(os.getpid(), signum)
-
-    sender = threading.Thread(target=send)
-    sender.start()
-    return sender
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
