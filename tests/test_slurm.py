@@ -328,3 +328,17 @@ def test_a_requeued_batch_job_resumes_from_its_checkpoint(slurm_2x2: slurm.Slurm
         " (the job that runs through held the nodes meanwhile)"
     )
     assert np.array_equal(np.load(through / "final.npy"), np.load(requeued / "final.npy"))
+
+
+def test_only_open_mpis_init_race_is_run_again() -> None:
+    """Slurm.run runs a job once more for one known Open MPI bug only: a segfault of ob1's in MPI_Init."""
+    race = (
+        "[node-a:4242] *** Process received signal ***\n[node-a:4242] Signal: Segmentation fault (11)\n"
+        "[node-a:4242] [ 1] libmpi.so.40(mca_pml_ob1_recv_frag_callback_match+0x9b)[0x7f]\n"
+        "[node-a:4242] [ 3] libopen-pal.so.80(opal_progress+0x30)[0x7f]\n"
+        "[node-a:4242] [ 4] libmpi.so.40(ompi_mpi_init+0x5d1)[0x7f]\n"
+    )
+    assert slurm.mpi_init_race(race)
+    after_init = race.replace("ompi_mpi_init+0x5d1", "PMPI_Allreduce+0x12")  # a crash in a collective is ours
+    assert not slurm.mpi_init_race(after_init)
+    assert not slurm.mpi_init_race("ompi_mpi_init: PMIx_Init failed\nmca_pml_ob1_recv_frag_callback_match")
