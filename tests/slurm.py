@@ -215,9 +215,10 @@ class Slurm:
         Open MPI's, before any of this library's code runs) is run once more, when nothing watches its lines."""
         start = time.monotonic()
         run = self._run_once(argv, timeout, env, on_line, cwd)
-        if on_line is None and run.returncode not in (0, None) and mpi_init_race(run.output):
+        left = timeout - (time.monotonic() - start)
+        if on_line is None and run.returncode not in (0, None) and mpi_init_race(run.output) and left > 30:
             print(f"{' '.join(argv[:2])}: a task segfaulted inside MPI_Init (Open MPI's init race); once more")
-            run = self._run_once(argv, timeout - (time.monotonic() - start), env, on_line, cwd)
+            run = self._run_once(argv, left, env, on_line, cwd)
         return run
 
     def _run_once(
