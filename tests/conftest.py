@@ -12,6 +12,7 @@ from hypothesis import settings
 
 import cluster
 import mpirun
+import shared
 
 pytest_plugins = ["pytester"]  # tests/test_harness.py runs pytest on generated files
 
@@ -42,6 +43,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The selected tests' parts of the shared MPI jobs (tests/shared.py), once ``-k`` and the rest have chosen."""
+    shared.want(session.items)
 
 
 def _more_examples(items: list[pytest.Item]) -> None:

@@ -213,12 +213,17 @@ def topology_check(world: dml.Backend) -> dict[str, Any]:
     return {"host": host, "node_local_rank": world.node_local_rank, "node_size": world.node_size}
 
 
+#: The part of tests/shared_job.py now running ("" in a job of its own): it names the check lines of ``run_checks``.
+PART = ""
+
+
 def run_checks(world: dml.Backend, checks: list[str], banner: str, run_check: Callable[[str], Any]) -> None:
     """``run_check(check)`` for each check, on every rank, with its time and result; rank 0 ends with ``banner``."""
     for check in checks:
         start = time.perf_counter()
         detail = run_check(check)
-        dml.print(world, f"check {check} passed in {time.perf_counter() - start:.1f}s: {detail}")
+        named = f"{PART}: " if PART else ""
+        dml.print(world, f"{named}check {check} passed in {time.perf_counter() - start:.1f}s: {detail}")
     dml.barrier(world)
     if dml.local_rank(world) == 0:
         print(f"{banner}: {' '.join(checks)} on {world.size} ranks", flush=True)

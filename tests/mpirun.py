@@ -88,13 +88,15 @@ class Job:
     returncode: int
     output: str
     seconds: float
+    #: Before the check lines of this job's checks: "" in a job of its own, ``"<part>: "`` in tests/shared_job.py.
+    prefix: str = ""
 
 
 def assert_checks_passed(job: Job, checks: list[str], ranks: int) -> None:
     """Every one of ``checks`` printed ``check NAME passed`` on each of the ``ranks`` ranks (tests/mpi_main.py's
     ``run_checks``)."""
     for check in checks:
-        passed = job.output.count(f"check {check} passed")
+        passed = job.output.count(f"{job.prefix}check {check} passed")
         assert passed == ranks, f"{check}: passed on {passed} of {ranks} ranks\n{job.output[-8000:]}"
 
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import distutils_ml as dml
 
+import shared
 from amp_job import (
     AmpCase,
     agreement_body,
@@ -20,7 +21,7 @@ from amp_job import (
     shard_only_body,
     unsharded_body,
 )
-from mpirun import requires_mpi, run_mpi
+from mpirun import requires_mpi
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:overflow encountered in add:RuntimeWarning",  # LocalBackend: the sums that overflow on purpose
@@ -90,10 +91,14 @@ def test_a_torch_grad_scaler_subclass() -> None:
     assert again.state_dict() == scaler.state_dict()
 
 
+AMP_JOB = shared.register("amp", "amp_job", timeout=150)
+
+
 @requires_mpi
 @pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.shared_job(AMP_JOB)
 def test_amp_job_under_mpiexec(ranks: int) -> None:
-    job = run_mpi(ranks, ["tests/amp_job.py"], timeout=150)
+    job = shared.job(ranks, AMP_JOB)
     assert job.returncode == 0, job.output[-8000:]
     checks = "agreement shard_only clip refusal unsharded bad_input"
     assert f"AMP CHECKS PASSED: {checks} on {ranks} ranks" in job.output, job.output[-8000:]

@@ -19,6 +19,7 @@ from torch import nn
 import distutils_ml as dml
 
 import batchnorm_bodies as bodies
+import shared
 from mpirun import requires_mpi, run_mpi
 
 HAVE_GPU = torch.cuda.is_available()
@@ -130,10 +131,14 @@ def test_torch_sync_batchnorm_message_points_to_the_conversion() -> None:
         assert "model = dml.convert_sync_batchnorm(backend, model)" in message, message
 
 
+BATCHNORM_JOB = shared.register("batchnorm", "batchnorm_job", lambda ranks: ["cpu"], timeout=120)
+
+
 @requires_mpi
 @pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.shared_job(BATCHNORM_JOB)
 def test_under_mpiexec(ranks: int) -> None:
-    job = run_mpi(ranks, ["tests/batchnorm_job.py", "cpu"], timeout=120)
+    job = shared.job(ranks, BATCHNORM_JOB)
     assert job.returncode == 0 and f"BATCHNORM JOB PASSED: cpu on {ranks} ranks" in job.output, job.output[-12000:]
 
 

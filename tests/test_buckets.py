@@ -16,7 +16,8 @@ import distutils_ml as dml
 from distutils_ml.buckets import in_reentrant_backward
 
 import habits_bodies
-from mpirun import requires_mpi, run_mpi
+import shared
+from mpirun import requires_mpi
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 
@@ -109,10 +110,14 @@ def test_a_second_backward_after_an_interrupted_one_is_still_refused() -> None:
     assert dml.LocalBackend.spawn(2, body, timeout=60) == ["ok", "ok"]
 
 
+HABITS_JOB = shared.register("habits", "habits_job", timeout=400)
+
+
 @requires_mpi
 @pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.shared_job(HABITS_JOB)
 def test_habits_under_mpiexec(ranks: int) -> None:
-    job = run_mpi(ranks, ["tests/habits_job.py"], timeout=400)
+    job = shared.job(ranks, HABITS_JOB)
     assert job.returncode == 0, job.output[-8000:]
     assert "HABITS CHECKS PASSED" in job.output, job.output[-8000:]
 

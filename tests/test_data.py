@@ -19,6 +19,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Seque
 import distutils_ml as dml
 from distutils_ml.data import DistributedDataContainer, getobs, numobs
 
+import shared
 from data_bodies import (
     GATHER_MISUSES,
     GATHER_VALUES,
@@ -40,7 +41,7 @@ from data_bodies import (
     partition_cases,
     small_gather_cases,
 )
-from mpirun import requires_mpi, run_mpi
+from mpirun import requires_mpi
 
 WORLDS = st.integers(1, 5)
 
@@ -463,8 +464,12 @@ def test_gather_unpadded_bad_backend() -> None:
         dml.gather_unpadded(dml.LocalBackend, [], None)
 
 
+DATA_JOB = shared.register("data", "data_job")
+
+
 @requires_mpi
 @pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.shared_job(DATA_JOB)
 def test_gather_unpadded_under_mpi(ranks: int) -> None:
-    job = run_mpi(ranks, ["tests/data_job.py"])
+    job = shared.job(ranks, DATA_JOB)
     assert job.returncode == 0 and f"DATA JOB PASSED on {ranks} ranks" in job.output, job.output[-12000:]

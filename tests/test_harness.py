@@ -289,3 +289,70 @@ def test_mpi_jobs_follow_the_profile_the_same_on_every_rank(tmp_path: Path, monk
         assert _job_drew(job) == (count, dev, seed)
     finally:
         settings.load_profile(previous)
+
+
+PART_JOB = """
+import os
+
+import distutils_ml as dml
+from mpi_main import guarded, run_checks
+
+
+def fail() -> None:
+    raise AssertionError("part {name} fails, as asked")
+
+
+def main(checks: list[str]) -> None:
+    dml.initialize(dml.MPIBackend)
+    world = dml.get_distributed_backend(dml.MPIBackend)
+    if world.rank == 0:
+        with open(os.environ["PARTS_RAN"], "a") as ran:
+            ran.write("{name}\\n")
+    run_checks(world, checks, "PART {name} PASSED", lambda check: guarded(fail) if check == "boom" else 1)
+"""
+
+PART_TESTS = """
+import pytest
+
+import shared
+
+PARTS = [
+    shared.register("a", "part_a", lambda ranks: ["one", "two"]),
+    shared.register("b", "part_b", lambda ranks: ["boom"] if ranks == 3 else ["one"]),
+    shared.register("c", "part_c", lambda ranks: ["one"]),
+]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("part", [pytest.param(p, marks=pytest.mark.shared_job(p)) for p in PARTS])
+def test_part(part: str, ranks: int) -> None:
+    job = shared.job(ranks, part)
+    assert job.returncode == 0, job.output[-3000:]
+    assert f"PART {part} PASSED" in job.output, job.output[-3000:]
+    assert job.output.count(f"{part}: check one passed") == ranks, job.output[-3000:]
+"""
+
+
+@requires_mpi
+def test_the_parts_of_a_shared_job_pass_or_fail_on_their_own(harness: pytest.Pytester) -> None:
+    """tests/shared.py: one job per world size for every selected part; a part that fails (b, with 3 ranks) fails
+    its own test and those of the parts after it (c), saying so; the parts before it pass; ``-k`` runs only the
+    selected parts."""
+    for name in "abc":
+        harness.makepyfile(**{f"part_{name}": PART_JOB.replace("{name}", name)})
+    harness.makepyfile(test_parts=PART_TESTS)
+    ran_all, ran_c = harness.path / "ran_all.txt", harness.path / "ran_c.txt"
+    path = os.pathsep.join([str(harness.path), str(TESTS)])
+    every, only_c = _runs(
+        harness,
+        ({"PARTS_RAN": str(ran_all), "PYTHONPATH": path}, ("-q", "-p", "no:randomly")),
+        ({"PARTS_RAN": str(ran_c), "PYTHONPATH": path}, ("-q", "-p", "no:randomly", "-k", "c")),
+    )
+    out = every.stdout.str()
+    every.assert_outcomes(passed=4, failed=2)
+    assert re.search(r"FAILED \S+test_part\[b-3\]", out) and re.search(r"FAILED \S+test_part\[c-3\]", out), out
+    assert "part b failed (the output above)" in out and "part c did not begin: the job ended in part b" in out, out
+    assert "part b fails, as asked" in out, out
+    assert sorted(ran_all.read_text().split()) == ["a", "a", "b", "b", "c"], ran_all.read_text()  # a job a size
+    only_c.assert_outcomes(passed=2, deselected=4)
+    assert ran_c.read_text().split() == ["c", "c"], ran_c.read_text()

@@ -18,6 +18,7 @@ import pytest
 
 from distutils_ml.backends.mpi import _average
 
+import shared
 from mpirun import assert_checks_passed, mpi_env, requires_mpi, run_mpi
 
 pytestmark = requires_mpi
@@ -38,9 +39,14 @@ CHECKS = [
 ]
 
 
-@pytest.mark.parametrize(("ranks", "extra"), [(2, ["large", "ddp"]), (3, [])])
+EXTRA = {2: ["large", "ddp"], 3: []}
+MPI_JOB = shared.register("mpi", "mpi_main", lambda ranks: CHECKS + EXTRA[ranks])
+
+
+@pytest.mark.parametrize(("ranks", "extra"), EXTRA.items())
+@pytest.mark.shared_job(MPI_JOB)
 def test_collectives_under_mpiexec(ranks: int, extra: list[str]) -> None:
-    job = run_mpi(ranks, ["tests/mpi_main.py", *CHECKS, *extra])
+    job = shared.job(ranks, MPI_JOB)
     assert job.returncode == 0, job.output[-8000:]
     assert f"MPI CHECKS PASSED: {' '.join(CHECKS + extra)} on {ranks} ranks" in job.output, job.output[-8000:]
     assert_checks_passed(job, CHECKS + extra, ranks)

@@ -8,7 +8,8 @@ import pytest
 import distutils_ml as dml
 
 import object_bodies
-from mpirun import requires_mpi, run_mpi
+import shared
+from mpirun import requires_mpi
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -17,10 +18,15 @@ def test_object_collectives_on_simulated_ranks(world: int, body) -> None:
     dml.LocalBackend.spawn(world, body, timeout=60)
 
 
+MODES = ["objects", "threads", "debug"]
+OBJECTS_JOB = shared.register("objects", "core_job", lambda ranks: MODES, timeout=180)
+
+
 @requires_mpi
 @pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.shared_job(OBJECTS_JOB)
 def test_object_collectives_threads_and_debug_under_mpiexec(ranks: int) -> None:
-    modes = ["objects", "threads", "debug"]
-    job = run_mpi(ranks, ["tests/core_job.py", *modes], timeout=180)
+    modes = MODES
+    job = shared.job(ranks, OBJECTS_JOB)
     assert job.returncode == 0, job.output[-8000:]
     assert f"CORE JOB PASSED: {' '.join(modes)} on {ranks} ranks" in job.output, job.output[-8000:]

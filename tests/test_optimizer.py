@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import distutils_ml as dml
 
-from mpirun import assert_checks_passed, requires_mpi, run_mpi
+import shared
+from mpirun import assert_checks_passed, requires_mpi
 from train_bodies import (
     ConfigCase,
     TrainCase,
@@ -237,10 +238,14 @@ def test_step_with_closure_reduces_after_every_call(world: int) -> None:
     assert all(loss == losses[0] for loss in losses), "every rank sees the same reduced loss"
 
 
+OPTIMIZER_JOB = shared.register("optimizer", "optimizer_job", timeout=180)
+
+
 @requires_mpi
 @pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.shared_job(OPTIMIZER_JOB)
 def test_optimizer_job_under_mpiexec(ranks: int) -> None:
-    job = run_mpi(ranks, ["tests/optimizer_job.py"], timeout=180)
+    job = shared.job(ranks, OPTIMIZER_JOB)
     assert job.returncode == 0, job.output[-8000:]
     checks = "late_backward config sparse closure"
     assert f"OPTIMIZER CHECKS PASSED: {checks} on {ranks} ranks" in job.output, job.output[-8000:]

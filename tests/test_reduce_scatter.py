@@ -18,6 +18,7 @@ from hypothesis import given, seed, settings
 import distutils_ml as dml
 from distutils_ml.backends.base import Backend
 
+import shared
 from bodies import DTYPES, Case, cases
 from mpirun import assert_checks_passed, requires_mpi, run_mpi
 from reduce_scatter_bodies import (
@@ -129,10 +130,14 @@ def test_a_second_thread_is_refused(world: int) -> None:
         assert "reduce_scatter: thread 'shard-thread' called a collective" in text, text
 
 
+REDUCE_SCATTER_JOB = shared.register("reduce_scatter", "reduce_scatter_job", timeout=180)
+
+
 @requires_mpi
 @pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.shared_job(REDUCE_SCATTER_JOB)
 def test_reduce_scatter_job_under_mpiexec(ranks: int) -> None:
-    job = run_mpi(ranks, ["tests/reduce_scatter_job.py"], timeout=180)
+    job = shared.job(ranks, REDUCE_SCATTER_JOB)
     assert job.returncode == 0, job.output[-8000:]
     checks = "matrix properties bad_input debug mixed sharding large"
     assert f"REDUCE_SCATTER CHECKS PASSED: {checks} on {ranks} ranks" in job.output, job.output[-8000:]

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 import distutils_ml as dml
 
-from mpirun import assert_checks_passed, requires_mpi, run_mpi
+import shared
+from mpirun import assert_checks_passed, requires_mpi
 from reducer_bodies import (
     GradCase,
     buffers_body,
@@ -85,10 +86,14 @@ def test_bad_arguments_raise_before_communication() -> None:
         dml.reduce_gradients_in_backward(b, model, communication_dtype=torch.int8)
 
 
+REDUCER_JOB = shared.register("reducer", "reducer_job", timeout=300)
+
+
 @requires_mpi
 @pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.shared_job(REDUCER_JOB)
 def test_reducer_job_under_mpiexec(ranks: int) -> None:
-    job = run_mpi(ranks, ["tests/reducer_job.py"], timeout=300)
+    job = shared.job(ranks, REDUCER_JOB)
     assert job.returncode == 0, job.output[-8000:]
     checks = "grads_ready errors collective_in_backward buffers train_overlap unused_overlap"
     assert f"REDUCER CHECKS PASSED: {checks} on {ranks} ranks" in job.output, job.output[-8000:]

@@ -18,8 +18,9 @@ from hypothesis import given, settings
 
 import distutils_ml as dml
 
+import shared
 import sparse_bodies as sb
-from mpirun import assert_checks_passed, requires_mpi, run_mpi
+from mpirun import assert_checks_passed, requires_mpi
 
 WORLD_SIZES = range(1, 6)
 
@@ -119,10 +120,14 @@ def test_a_second_thread_is_refused(world: int) -> None:
         assert "sparse_allreduce: thread 'embedding-thread' called a collective" in text, text
 
 
+SPARSE_JOB = shared.register("sparse", "sparse_job", timeout=180)
+
+
 @requires_mpi
 @pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.shared_job(SPARSE_JOB)
 def test_sparse_job_under_mpiexec(ranks: int) -> None:
-    job = run_mpi(ranks, ["tests/sparse_job.py"], timeout=180)
+    job = shared.job(ranks, SPARSE_JOB)
     assert job.returncode == 0, job.output[-8000:]
     checks = "matrix properties bad_input mismatch debug embedding"
     assert f"SPARSE CHECKS PASSED: {checks} on {ranks} ranks" in job.output, job.output[-8000:]

@@ -19,7 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import distutils_ml as dml
 from distutils_ml.streams import IterableShare, SizedIterableShare
 
-from mpirun import requires_mpi, run_mpi
+import shared
+from mpirun import requires_mpi
 from streams_job import (
     LOADER_CASES,
     LoaderCase,
@@ -247,8 +248,12 @@ def test_the_container_refuses_a_stream_with_the_recipe() -> None:
 # -- under mpiexec --------------------------------------------------------------------------
 
 
+STREAMS_JOB = shared.register("streams", "streams_job", timeout=120)
+
+
 @requires_mpi
 @pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.shared_job(STREAMS_JOB)
 def test_under_mpi(ranks: int) -> None:
-    job = run_mpi(ranks, ["tests/streams_job.py"], timeout=120)
+    job = shared.job(ranks, STREAMS_JOB)
     assert job.returncode == 0 and f"STREAMS JOB PASSED on {ranks} ranks" in job.output, job.output[-12000:]

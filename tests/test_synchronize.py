@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import distutils_ml as dml
 
+import shared
 from mpirun import assert_checks_passed, requires_mpi, run_mpi
 from sync_job import (
     KeyCase,
@@ -504,11 +505,19 @@ def test_keys_that_cannot_be_matched_are_refused(key: Any, detail: str) -> None:
 # -- real mpiexec jobs: every check above, with 2 and 3 ranks -------------------------------------
 
 
+def _sync_checks(ranks: int) -> list[str]:
+    return ["reproducers", "layouts", "keys", "batchnorm"] + (["ddp_buffers"] if ranks == 2 else [])
+
+
+SYNC_JOB = shared.register("sync", "sync_job", _sync_checks)
+
+
 @requires_mpi
 @pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.shared_job(SYNC_JOB)
 def test_synchronize_and_buffers_under_mpiexec(ranks: int) -> None:
-    checks = ["reproducers", "layouts", "keys", "batchnorm"] + (["ddp_buffers"] if ranks == 2 else [])
-    job = run_mpi(ranks, ["tests/sync_job.py", *checks])
+    checks = _sync_checks(ranks)
+    job = shared.job(ranks, SYNC_JOB)
     assert job.returncode == 0, job.output[-8000:]
     assert f"SYNC CHECKS PASSED: {' '.join(checks)} on {ranks} ranks" in job.output, job.output[-8000:]
     assert_checks_passed(job, checks, ranks)
