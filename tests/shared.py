@@ -7,8 +7,8 @@ test of a world size runs one job with every part that the run selected at that 
 in its own job: its banner, its check lines (``Job.prefix``), and a return code of its own: 0 once every rank has
 passed the barrier after it, unless every part ended and the job still failed (at exit: then every part fails).
 
-Why: each job's start (every rank importing torch, MPI's start, torch._dynamo when an optimizer is made) took 5 s
-with 2 ranks and 8 s with 3 on the 2 cores of CI, and was most of the time of a dozen jobs of a few seconds each.
+Why: each job's start (every rank importing torch, MPI's start, torch._dynamo when an optimizer is made) took 6.8 s
+with 2 ranks and 10.5 s with 3 on 2 cores (measured 2026-12-02), most of the time of a dozen jobs of a few seconds.
 What it costs: a part that fails aborts the job, and the parts after it fail too, saying which part ended it.
 """
 
@@ -41,7 +41,7 @@ _jobs: dict[int, Job | str] = {}  # world size -> the job, or why it failed (a t
 
 def register(name: str, module: str, args: Callable[[int], list[str]] = lambda ranks: [], timeout: float = 240) -> str:
     """Declare a part, at a test module's import; returns ``name`` for the test's marker."""
-    assert name not in PARTS or PARTS[name] == Part(module, args, timeout), f"two parts named {name!r}"
+    assert name not in PARTS or PARTS[name].module == module, f"two parts named {name!r}"
     PARTS[name] = Part(module, args, timeout)
     return name
 
@@ -49,20 +49,19 @@ def register(name: str, module: str, args: Callable[[int], list[str]] = lambda r
 def want(items: list[pytest.Item]) -> None:
     """From tests/conftest.py: the parts of the selected tests, and each such test's timeout (the whole job's)."""
     _wanted.clear()
+    marked = []  # (item, its world size)
     for item in items:
         marker = item.get_closest_marker("shared_job")
         if marker is not None:
             ranks = item.callspec.params["ranks"]  # type: ignore[attr-defined]
-            _wanted.setdefault(ranks, [])
-            if marker.args[0] not in _wanted[ranks]:
-                _wanted[ranks].append(marker.args[0])
+            marked.append((item, ranks))
+            names = _wanted.setdefault(ranks, [])
+            if marker.args[0] not in names:
+                names.append(marker.args[0])
     for names in _wanted.values():
         names.sort(key=list(PARTS).index)
-    for item in items:
-        marker = item.get_closest_marker("shared_job")
-        if marker is not None:
-            ranks = item.callspec.params["ranks"]  # type: ignore[attr-defined]
-            item.add_marker(pytest.mark.timeout(limit(_wanted[ranks]) + MARGIN_S + 30))
+    for item, ranks in marked:
+        item.add_marker(pytest.mark.timeout(limit(_wanted[ranks]) + MARGIN_S + 30))
 
 
 def limit(names: list[str]) -> float:
@@ -73,9 +72,9 @@ def limit(names: list[str]) -> float:
 
 def job(ranks: int, name: str) -> Job:
     """Part ``name`` of this run's shared job with ``ranks`` ranks (run now if it has not run)."""
-    names = _wanted.setdefault(ranks, [])
-    if name not in names:  # not selected through its marker (a direct call): it runs on its own
-        return _part(_run(ranks, [name]), [name], name)
+    names = _wanted.get(ranks, [])
+    if name not in names:
+        pytest.fail(f"part {name!r} with {ranks} ranks was not selected: mark its test shared_job({name!r})")
     if ranks not in _jobs:
         try:
             _jobs[ranks] = _run(ranks, names)

@@ -5,9 +5,8 @@ in turn, as its own job would run it: the same checks, the same banner. Rank 0 p
 before each part and ``SHARED PART <name> ENDS`` once every rank has passed a barrier after it. The check lines of
 tests/mpi_main.py's ``run_checks`` carry the part's name (``<name>: check X passed``), so each test counts its own.
 
-A failing check aborts the job, as it does in its own script: the parts after it do not begin. One start of every
-rank (importing torch, MPI's start, torch._dynamo when an optimizer is made: 5 s for 2 ranks, 8 for 3, on 2 cores)
-is paid once instead of once per part.
+A failing check aborts the job, as it does in its own script: the parts after it do not begin. Every rank starts
+once instead of once per part (why: tests/shared.py).
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ OBJECTS_JOB = shared.register("objects", "core_job", lambda ranks: MODES, timeou
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.shared_job(OBJECTS_JOB)
 def test_object_collectives_threads_and_debug_under_mpiexec(ranks: int) -> None:
-    modes = MODES
     job = shared.job(ranks, OBJECTS_JOB)
     assert job.returncode == 0, job.output[-8000:]
-    assert f"CORE JOB PASSED: {' '.join(modes)} on {ranks} ranks" in job.output, job.output[-8000:]
+    assert f"CORE JOB PASSED: {' '.join(MODES)} on {ranks} ranks" in job.output, job.output[-8000:]
