@@ -575,9 +575,10 @@ def load(backend: Backend, path: str | os.PathLike[str], *, weights_only: bool =
     Rank 0 first checks every record of the file against the CRC-32 that ``torch.save``
     wrote (``torch.load`` does not check them: a flipped bit would load as a wrong
     value), then reads it with ``torch.load(..., map_location="cpu",
-    weights_only=weights_only)`` and broadcasts the object, so only rank 0 needs to see
-    the file. The check reads the file once more (about 0.3-0.4 s per GiB, mostly from the
-    page cache). Files without CRC-32s load unchecked: torch's legacy format and files
+    weights_only=weights_only)`` and broadcasts the object (its tensors' storages as raw
+    buffers, not pickled), so only rank 0 needs to see the file. The check reads the file
+    once more (about 0.3-0.4 s per GiB, mostly from the page cache). Files without
+    CRC-32s load unchecked: torch's legacy format and files
     written with ``torch.serialization.set_crc32_options(False)`` (``dml.save`` always
     writes them). Tensors arrive on the CPU; ``load_state_dict`` copies them to the
     parameters' devices.

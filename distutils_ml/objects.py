@@ -1,7 +1,10 @@
 """Object collectives: ``bcast_object`` and ``allgather_object`` (any picklable value, any size).
 
 Objects travel as pickles, in pieces, so nothing limits their size (MPI counts are C
-ints; a pickle over 2 GiB is sent in 1 GiB pieces). Nothing fails on one rank only:
+ints; a pickle over 2 GiB is sent in 1 GiB pieces). In a broadcast, the storages of CPU
+tensors travel apart from the pickle, as raw buffers (sent in place from root, received
+into storages of their own): a 1 GiB checkpoint's ``dml.load`` on 2 ranks went from
+11-13 s to 2.4-2.8 s (``torch.load`` alone: 0.8-1 s). Nothing fails on one rank only:
 
 - a value that cannot be pickled raises on every rank, naming the rank that held it;
 - a value that some rank cannot unpickle (a class defined only in root's ``__main__``)
@@ -18,7 +21,10 @@ from __future__ import annotations
 import builtins
 import contextlib
 import hashlib
+import io
 import pickle
+import struct
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -76,8 +82,9 @@ def _unpack(data: bytes) -> tuple[bool, Any]:
     return data[:1] == _OK, pickle.loads(memoryview(data)[1:])
 
 
-def _agree(backend: Backend, problem: str | None, caller: str) -> None:
-    """Raise on every rank if any rank had a ``problem`` reading what it received.
+def _agree(backend: Backend, problem: str | None, caller: str, failed: str | None = None) -> None:
+    """Raise on every rank if any rank had a ``problem`` reading what it received (or, with ``failed``, the
+    problem that says: "rank(s) [...] <failed> (...)").
 
     One allgather of a byte per rank; the problems' texts travel only when there is one.
     """
@@ -89,42 +96,168 @@ def _agree(backend: Backend, problem: str | None, caller: str) -> None:
     bad = {r: p for r, p in enumerate(problems) if p is not None}
     if bad:
         detail = "; ".join(f"rank {r}: {p}" for r, p in bad.items())
+        if failed is not None:
+            raise RuntimeError(f"{caller}: rank(s) {sorted(bad)} {failed} ({detail})")
         raise RuntimeError(
             f"{caller}: rank(s) {sorted(bad)} could not unpickle what they received ({detail}). Every rank must be "
             "able to import the classes of the object: define them in a module, not in one rank's __main__ only"
         )
 
 
+class _StoragesApart(pickle.Pickler):
+    """A pickler that leaves each CPU storage out of the pickle, collecting it in ``storages`` instead.
+
+    A tensor pickles as its storage plus a small description (offset, shape, strides); pickling
+    the storage itself is slow (about 6 s per GiB: torch writes it into a byte buffer first) and
+    so is unpickling it (3 s). The storages travel apart, as raw buffers, in place on root.
+    Storages shared by several tensors (views, tied weights) travel once and stay shared.
+    """
+
+    def __init__(self, file: io.BytesIO, torch: Any) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._torch = torch
+        self.storages: list[Any] = []
+        self._index: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        torch = self._torch
+        if isinstance(obj, torch.storage.TypedStorage):
+            untyped, dtype = obj._untyped_storage, obj.dtype
+        elif isinstance(obj, torch.UntypedStorage):
+            untyped, dtype = obj, None
+        else:
+            return None
+        if untyped.device.type != "cpu":
+            return None  # pickled as torch pickles it
+        key = untyped._cdata
+        if key not in self._index:
+            self._index[key] = len(self.storages)
+            self.storages.append(untyped)
+        return (self._index[key], dtype)
+
+
+class _StoragesBack(pickle.Unpickler):
+    """Unpickles what :class:`_StoragesApart` pickled, with the storages received apart."""
+
+    def __init__(self, data: memoryview, storages: list[Any], torch: Any) -> None:
+        super().__init__(io.BytesIO(data))
+        self._storages, self._torch = storages, torch
+
+    def persistent_load(self, pid: Any) -> Any:
+        index, dtype = pid
+        untyped = self._storages[index]
+        if dtype is None:
+            return untyped
+        return self._torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+
+_TRAILER = struct.Struct("<q")  # at the end: the length of the storages' sizes, pickled, before it
+_SMALL_STORAGE = 1 << 20  # storages below this travel together in one buffer, the others one by one in place
+
+
+def _pack_apart(produce: Callable[[], Any]) -> tuple[bytes | memoryview, BaseException | None, list[Any]]:
+    """Like :func:`_pack`, with the value's CPU storages left out: ``_OK``, the value's pickle, the storages'
+    sizes (pickled), the length of those; and the storages. Nothing is copied after pickling."""
+    torch = sys.modules.get("torch")  # not imported: no tensor can be in the value
+    try:
+        value = produce()
+        out = io.BytesIO()
+        out.write(_OK)
+        pickler = _StoragesApart(out, torch) if torch is not None else pickle.Pickler(out, pickle.HIGHEST_PROTOCOL)
+        pickler.dump(value)
+        storages = getattr(pickler, "storages", [])
+        sizes = pickle.dumps([s.nbytes() for s in storages])
+        out.write(sizes)
+        out.write(_TRAILER.pack(len(sizes)))
+        return out.getbuffer(), None, storages
+    except Exception as exc:
+        return _FAILED + pickle.dumps((type(exc).__module__, type(exc).__qualname__, str(exc))), exc, []
+
+
+def _bytes_of(storage: Any) -> np.ndarray:
+    """A CPU storage's bytes as a writable uint8 array (no copy)."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,)).numpy()
+
+
+def _send_storages(backend: Backend, root: int, storages: list[Any]) -> None:
+    """Root's storages into every rank's (same sizes, in order): the small ones in one buffer, each big one alone."""
+    is_root = backend.rank == root
+    small = [s for s in storages if 0 < s.nbytes() < _SMALL_STORAGE]
+    if small:
+        flat = np.empty(sum(s.nbytes() for s in small), dtype=np.uint8)
+        offsets = np.cumsum([0] + [s.nbytes() for s in small])
+        if is_root:
+            for s, start, end in zip(small, offsets[:-1], offsets[1:], strict=True):
+                flat[start:end] = _bytes_of(s)
+        backend._bcast(flat, root)
+        if not is_root:
+            for s, start, end in zip(small, offsets[:-1], offsets[1:], strict=True):
+                _bytes_of(s)[:] = flat[start:end]
+    for s in storages:
+        if s.nbytes() >= _SMALL_STORAGE:
+            backend._bcast(_bytes_of(s), root)
+
+
 def _broadcast(backend: Backend, root: int, produce: Callable[[], Any], caller: str, failed: str) -> Any:
-    """``produce()`` run on root inside one object broadcast; its value (or, prefixed by ``failed``, its error)."""
+    """``produce()`` run on root inside one object broadcast; its value (or, prefixed by ``failed``, its error).
+
+    Its CPU tensors' storages travel apart from the pickle, as raw buffers (:class:`_StoragesApart`):
+    one broadcast of the pickle and the storages' sizes, then, once every rank has made room for
+    them, the storages themselves.
+    """
     if backend.debug:
         backend._check_call("bcast_object", None, None, None, root)
     is_root = backend.rank == root
     cause: list[BaseException | None] = [None]
     value: list[Any] = [None]
+    kept: list[Any] = []
 
-    def make() -> bytes:
+    def make() -> bytes | memoryview:
         def keep() -> Any:
             value[0] = produce()
             return value[0]
 
-        data, cause[0] = _pack(keep)
+        data, cause[0], storages = _pack_apart(keep)
+        kept.extend(storages)
         return data
 
     data = backend._bcast_bytes(None, root, make if is_root else None)
-    problem = None
-    ok, received = True, None
-    if not is_root:
+    view = memoryview(data)
+    ok = data[:1] == _OK
+    if not ok:  # root's error, as a pickled description: no storages follow
+        problem = None
+        received = None
         try:
-            ok, received = _unpack(data)
+            received = pickle.loads(view[1:])
         except Exception as exc:
             problem = f"{type(exc).__name__}: {exc}"
-    else:
-        ok = data[:1] == _OK
-        received = value[0] if ok else pickle.loads(memoryview(data)[1:])
-    _agree(backend, problem, caller)
-    if not ok:
+        _agree(backend, problem, caller)
         raise _remote_error(received, failed) from cause[0]
+    (length,) = _TRAILER.unpack_from(view, len(view) - _TRAILER.size)
+    end = len(view) - _TRAILER.size - length  # where the value's pickle ends and its storages' sizes begin
+    sizes = pickle.loads(view[end : end + length])
+    problem = None
+    storages = kept
+    if sizes and not is_root:
+        try:
+            import torch
+
+            storages = [torch.UntypedStorage(n) for n in sizes]
+        except Exception as exc:  # MemoryError: too little room for root's tensors
+            problem = f"{type(exc).__name__} making room for {sum(sizes)} bytes of tensors: {exc}"
+    if sizes:
+        _agree(backend, problem, caller, "could not make room for the tensors")
+        _send_storages(backend, root, storages)
+    received = value[0]
+    if not is_root and problem is None:
+        try:
+            pickled = view[1:end]
+            received = _StoragesBack(pickled, storages, sys.modules["torch"]).load() if sizes else pickle.loads(pickled)
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+    _agree(backend, problem, caller)
     return received
 
 

@@ -12,8 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import Phase, example, given, settings
+from hypothesis import strategies as st
 
 import distutils_ml as dml
+
+import bodies
 
 
 def _world_still_works(backend: dml.Backend) -> None:
@@ -148,4 +152,105 @@ def duplicate(backend: dml.Backend) -> None:
     _world_still_works(backend)
 
 
-BODIES = [values, failures, large_pickle, duplicate]
+TENSOR_DTYPES = (*bodies.DTYPES, "complex64")
+# Where a leaf's tensor comes from: its own storage, a view of an earlier leaf's (sharing it), a transposed
+# (non-contiguous) view of its own, an nn.Parameter, a slice past its storage's start, or a big one (the storages
+# of 1 MiB or more travel on their own, the others together).
+LEAF_FORMS = ("plain", "view", "transposed", "parameter", "offset", "big")
+
+
+@st.composite
+def tensor_cases(draw: st.DrawFn) -> tuple[int, int, list[tuple[str, str, tuple[int, ...]]]]:
+    """(root draw, seed, [(form, dtype, shape)]): a nested value of tensors to broadcast."""
+    leaves = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(LEAF_FORMS),
+                st.sampled_from(TENSOR_DTYPES),
+                st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple),
+            ),
+            min_size=1,
+            max_size=6,
+        )
+    )
+    return draw(st.integers(0, 7)), draw(st.integers(0, 2**31 - 1)), leaves
+
+
+def _tensor_value(seed: int, leaves: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, Any]:
+    """The value ``tensor_cases`` describes, the same on every rank that builds it."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, Any] = {"tensors": [], "meta": {"seed": seed, "n": len(leaves)}}
+    for form, dtype, drawn_shape in leaves:
+        # big: at least 1 MiB in 4-byte dtypes, with a ragged tail
+        shape = ((1 << 18) + 3, *(max(1, d) for d in drawn_shape[:1])) if form == "big" else drawn_shape
+        numel = int(np.prod(shape)) if shape else 1
+        base = (torch.randn(numel + 2, generator=g) * 50).to(getattr(torch, dtype))
+        t = base[2:].reshape(shape) if form == "offset" else base[:numel].reshape(shape)
+        earlier = [e for e in out["tensors"] if e.numel()]
+        if form == "view" and earlier:  # of the last leaf that has elements (a Parameter's too)
+            t = earlier[-1].detach().reshape(-1)[: max(1, earlier[-1].numel() // 2)]
+        elif form == "transposed" and t.dim() >= 2:
+            t = t.transpose(0, -1)
+        elif form == "parameter" and t.is_floating_point():
+            t = torch.nn.Parameter(t.clone(), requires_grad=True)
+        out["tensors"].append(t)
+    return out
+
+
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    storage = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def tensors_apart(backend: dml.Backend) -> None:
+    """Random nested tensors (dtypes, shapes, views sharing a storage, non-contiguous, Parameters, big ones) reach
+    every rank exactly: bits, dtype, shape, strides and which tensors share a storage; in storages of their own."""
+    drawn: list[tuple[int, int, list[tuple[str, str, tuple[int, ...]]]]] = []
+
+    # The cases are drawn first, the same on every rank (derandomized); the collectives run after, outside hypothesis.
+    @settings(derandomize=True, database=None, deadline=None, phases=[Phase.explicit, Phase.generate], max_examples=12)
+    @given(case=tensor_cases())
+    @example(
+        case=(
+            1,
+            7,
+            [
+                ("big", "float32", (2,)),
+                ("view", "int8", ()),
+                ("parameter", "float64", (2, 3)),
+                ("view", "bool", (1,)),
+                ("offset", "bfloat16", (4,)),
+                ("transposed", "int16", (2, 3)),
+            ],
+        )
+    )
+    def draw(case: tuple[int, int, list[tuple[str, str, tuple[int, ...]]]]) -> None:
+        drawn.append(case)
+
+    draw()
+    for root_draw, seed, leaves in drawn:
+        root = root_draw % backend.size
+        mine = _tensor_value(seed, leaves) if backend.rank == root else None
+        got = dml.bcast_object(backend, mine, root=root)
+        if backend.rank == root:
+            assert got is mine
+            continue
+        want = _tensor_value(seed, leaves)
+        assert got["meta"] == want["meta"]
+        assert len(got["tensors"]) == len(want["tensors"]), (got, leaves)
+        ptrs = [w.untyped_storage().data_ptr() for w in want["tensors"]]
+        got_ptrs = [t.untyped_storage().data_ptr() for t in got["tensors"]]
+        for k, (t, w) in enumerate(zip(got["tensors"], want["tensors"], strict=True)):
+            where = (k, leaves[k])
+            assert type(t) is type(w) and t.dtype == w.dtype and t.shape == w.shape, where
+            assert t.stride() == w.stride() and t.storage_offset() == w.storage_offset(), where
+            assert t.requires_grad == w.requires_grad, where
+            assert t.untyped_storage().nbytes() == w.untyped_storage().nbytes(), where
+            assert torch.equal(t.detach(), w.detach()), where
+            assert torch.equal(_storage_bytes(t), _storage_bytes(w)), where  # all of it, past the view too
+            for j in range(k):  # a storage shared at the root is shared here, and only then
+                assert (got_ptrs[j] == got_ptrs[k]) == (ptrs[j] == ptrs[k]) or not t.untyped_storage().nbytes(), where
+    _world_still_works(backend)
+
+
+BODIES = [values, failures, large_pickle, duplicate, tensors_apart]
