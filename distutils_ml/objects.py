@@ -122,17 +122,21 @@ class _StoragesApart(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         torch = self._torch
         if isinstance(obj, torch.storage.TypedStorage):
-            untyped, dtype = obj._untyped_storage, obj.dtype
+            untyped, dtype = obj.untyped(), obj.dtype
         elif isinstance(obj, torch.UntypedStorage):
             untyped, dtype = obj, None
         else:
             return None
         if untyped.device.type != "cpu":
             return None  # pickled as torch pickles it
-        key = untyped._cdata
-        if key not in self._index:
-            self._index[key] = len(self.storages)
+        # One storage is one allocation: its address names it (an empty one has none, and travels alone).
+        key = untyped.data_ptr() if untyped.nbytes() else None
+        if key is None or key not in self._index:
+            index = len(self.storages)
             self.storages.append(untyped)
+            if key is not None:
+                self._index[key] = index
+            return (index, dtype)
         return (self._index[key], dtype)
 
 
