@@ -2,9 +2,10 @@
 
 Objects travel as pickles, in pieces, so nothing limits their size (MPI counts are C
 ints; a pickle over 2 GiB is sent in 1 GiB pieces). In a broadcast, the storages of CPU
-tensors travel apart from the pickle, as raw buffers (sent in place from root, received
-into storages of their own): a 1 GiB checkpoint's ``dml.load`` on 2 ranks went from
-11-13 s to 2.4-2.8 s (``torch.load`` alone: 0.8-1 s). Nothing fails on one rank only:
+tensors and the bytes of contiguous NumPy arrays travel apart from the pickle, as raw
+buffers (sent in place from root, received into memory of their own): a 1 GiB checkpoint's
+``dml.load`` on 2 ranks went from 11-13 s to 2.4-2.8 s (``torch.load`` alone: 0.8-1 s).
+``allgather_object`` pickles them in band. Nothing fails on one rank only:
 
 - a value that cannot be pickled raises on every rank, naming the rank that held it;
 - a value that some rank cannot unpickle (a class defined only in root's ``__main__``)
@@ -105,22 +106,33 @@ def _agree(backend: Backend, problem: str | None, caller: str, failed: str | Non
 
 
 class _StoragesApart(pickle.Pickler):
-    """A pickler that leaves each CPU storage out of the pickle, collecting it in ``storages`` instead.
+    """A pickler that leaves each CPU storage, and each contiguous NumPy array's bytes, out of the pickle,
+    collecting them in ``parts`` instead.
 
     A tensor pickles as its storage plus a small description (offset, shape, strides); pickling
     the storage itself is slow (about 6 s per GiB: torch writes it into a byte buffer first) and
     so is unpickling it (3 s). The storages travel apart, as raw buffers, in place on root.
     Storages shared by several tensors (views, tied weights) travel once and stay shared.
+    Contiguous NumPy arrays go out of band by pickle's protocol 5 (``buffer_callback``).
     """
 
     def __init__(self, file: io.BytesIO, torch: Any) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        super().__init__(file, protocol=5, buffer_callback=self._buffer)
         self._torch = torch
-        self.storages: list[Any] = []
+        self.parts: list[Any] = []  # UntypedStorages and, for NumPy's buffers, memoryviews, in pickling order
         self._index: dict[int, int] = {}
+
+    def _buffer(self, buffer: pickle.PickleBuffer) -> bool:
+        raw = buffer.raw()
+        if not isinstance(raw.obj, np.ndarray):  # bytes, bytearray, a user's class: in band, as pickle does
+            return True
+        self.parts.append(raw)
+        return False  # out of band
 
     def persistent_id(self, obj: Any) -> Any:
         torch = self._torch
+        if torch is None:  # not imported: no tensor can be in the value
+            return None
         if isinstance(obj, torch.storage.TypedStorage):
             untyped, dtype = obj.untyped(), obj.dtype
         elif isinstance(obj, torch.UntypedStorage):
@@ -132,8 +144,8 @@ class _StoragesApart(pickle.Pickler):
         # One storage is one allocation: its address names it (an empty one has none, and travels alone).
         key = untyped.data_ptr() if untyped.nbytes() else None
         if key is None or key not in self._index:
-            index = len(self.storages)
-            self.storages.append(untyped)
+            index = len(self.parts)
+            self.parts.append(untyped)
             if key is not None:
                 self._index[key] = index
             return (index, dtype)
@@ -141,75 +153,93 @@ class _StoragesApart(pickle.Pickler):
 
 
 class _StoragesBack(pickle.Unpickler):
-    """Unpickles what :class:`_StoragesApart` pickled, with the storages received apart."""
+    """Unpickles what :class:`_StoragesApart` pickled, with the parts received apart."""
 
-    def __init__(self, data: memoryview, storages: list[Any], torch: Any) -> None:
-        super().__init__(io.BytesIO(data))
-        self._storages, self._torch = storages, torch
+    def __init__(self, data: memoryview, parts: list[Any], torch: Any) -> None:
+        buffers = [p for p in parts if isinstance(p, np.ndarray)]
+        super().__init__(io.BytesIO(data), buffers=buffers)
+        self._parts, self._torch = parts, torch
 
     def persistent_load(self, pid: Any) -> Any:
         index, dtype = pid
-        untyped = self._storages[index]
+        untyped = self._parts[index]
         if dtype is None:
             return untyped
         return self._torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 
 
-_TRAILER = struct.Struct("<q")  # at the end: the length of the storages' sizes, pickled, before it
-_SMALL_STORAGE = 1 << 20  # storages below this travel together in one buffer, the others one by one in place
+_TRAILER = struct.Struct("<q")  # at the end: the length of the parts' layout, pickled, before it
+_SMALL_PART = 1 << 20  # parts below this travel together in one buffer, the others one by one in place
+
+
+def _nbytes(part: Any) -> int:
+    return part.nbytes if isinstance(part, memoryview) else part.nbytes()
+
+
+def _layout(parts: list[Any]) -> list[tuple[bool, int, bool]]:
+    """Per part: (a NumPy buffer?, its size, sent alone?). Parts of 1 MiB or more travel alone, in place."""
+    return [(isinstance(p, memoryview), _nbytes(p), _nbytes(p) >= _SMALL_PART) for p in parts]
 
 
 def _pack_apart(produce: Callable[[], Any]) -> tuple[bytes | memoryview, BaseException | None, list[Any]]:
-    """Like :func:`_pack`, with the value's CPU storages left out: ``_OK``, the value's pickle, the storages'
-    sizes (pickled), the length of those; and the storages. Nothing is copied after pickling."""
-    torch = sys.modules.get("torch")  # not imported: no tensor can be in the value
+    """Like :func:`_pack`, with the value's CPU storages and NumPy buffers left out: ``_OK``, the value's
+    pickle, the parts' layout (pickled), the length of that; and the parts. Nothing is copied after pickling."""
     try:
         value = produce()
         out = io.BytesIO()
         out.write(_OK)
-        pickler = _StoragesApart(out, torch) if torch is not None else pickle.Pickler(out, pickle.HIGHEST_PROTOCOL)
+        pickler = _StoragesApart(out, sys.modules.get("torch"))
         pickler.dump(value)
-        storages = getattr(pickler, "storages", [])
-        sizes = pickle.dumps([s.nbytes() for s in storages])
-        out.write(sizes)
-        out.write(_TRAILER.pack(len(sizes)))
-        return out.getbuffer(), None, storages
+        layout = pickle.dumps(_layout(pickler.parts))
+        out.write(layout)
+        out.write(_TRAILER.pack(len(layout)))
+        return out.getbuffer(), None, pickler.parts
     except Exception as exc:
         return _FAILED + pickle.dumps((type(exc).__module__, type(exc).__qualname__, str(exc))), exc, []
 
 
-def _bytes_of(storage: Any) -> np.ndarray:
-    """A CPU storage's bytes as a writable uint8 array (no copy)."""
+def _storage(nbytes: int) -> Any:
     import torch
 
-    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,)).numpy()
+    return torch.UntypedStorage(nbytes)
 
 
-def _send_storages(backend: Backend, root: int, storages: list[Any]) -> None:
-    """Root's storages into every rank's (same sizes, in order): the small ones in one buffer, each big one alone."""
+def _bytes_of(part: Any) -> np.ndarray:
+    """A part's bytes as a uint8 array (no copy)."""
+    if isinstance(part, np.ndarray):
+        return part
+    if isinstance(part, memoryview):
+        return np.frombuffer(part, dtype=np.uint8)
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8).set_(part, 0, (part.nbytes(),), (1,)).numpy()
+
+
+def _send_parts(backend: Backend, root: int, parts: list[Any], layout: list[tuple[bool, int, bool]]) -> None:
+    """Root's parts into every rank's (same sizes, in order): the small ones in one buffer, each big one alone."""
     is_root = backend.rank == root
-    small = [s for s in storages if 0 < s.nbytes() < _SMALL_STORAGE]
-    if small:
-        flat = np.empty(sum(s.nbytes() for s in small), dtype=np.uint8)
-        offsets = np.cumsum([0] + [s.nbytes() for s in small])
+    together = [k for k, (_, n, alone) in enumerate(layout) if n and not alone]
+    if together:
+        offsets = np.cumsum([0] + [layout[k][1] for k in together])
+        flat = np.empty(int(offsets[-1]), dtype=np.uint8)
         if is_root:
-            for s, start, end in zip(small, offsets[:-1], offsets[1:], strict=True):
-                flat[start:end] = _bytes_of(s)
+            for k, start, end in zip(together, offsets[:-1], offsets[1:], strict=True):
+                flat[start:end] = _bytes_of(parts[k])
         backend._bcast(flat, root)
         if not is_root:
-            for s, start, end in zip(small, offsets[:-1], offsets[1:], strict=True):
-                _bytes_of(s)[:] = flat[start:end]
-    for s in storages:
-        if s.nbytes() >= _SMALL_STORAGE:
-            backend._bcast(_bytes_of(s), root)
+            for k, start, end in zip(together, offsets[:-1], offsets[1:], strict=True):
+                _bytes_of(parts[k])[:] = flat[start:end]
+    for p, (_, _, alone) in zip(parts, layout, strict=True):
+        if alone:
+            backend._bcast(_bytes_of(p), root)
 
 
 def _broadcast(backend: Backend, root: int, produce: Callable[[], Any], caller: str, failed: str) -> Any:
     """``produce()`` run on root inside one object broadcast; its value (or, prefixed by ``failed``, its error).
 
-    Its CPU tensors' storages travel apart from the pickle, as raw buffers (:class:`_StoragesApart`):
-    one broadcast of the pickle and the storages' sizes, then, once every rank has made room for
-    them, the storages themselves.
+    Its CPU tensors' storages and contiguous NumPy arrays travel apart from the pickle, as raw buffers
+    (:class:`_StoragesApart`): one broadcast of the pickle and the parts' sizes, then, once every rank
+    has made room for them, the parts themselves.
     """
     if backend.debug:
         backend._check_call("bcast_object", None, None, None, root)
@@ -223,14 +253,14 @@ def _broadcast(backend: Backend, root: int, produce: Callable[[], Any], caller: 
             value[0] = produce()
             return value[0]
 
-        data, cause[0], storages = _pack_apart(keep)
-        kept.extend(storages)
+        data, cause[0], parts = _pack_apart(keep)
+        kept.extend(parts)
         return data
 
     data = backend._bcast_bytes(None, root, make if is_root else None)
     view = memoryview(data)
     ok = data[:1] == _OK
-    if not ok:  # root's error, as a pickled description: no storages follow
+    if not ok:  # root's error, as a pickled description: no parts follow
         problem = None
         received = None
         try:
@@ -240,25 +270,24 @@ def _broadcast(backend: Backend, root: int, produce: Callable[[], Any], caller: 
         _agree(backend, problem, caller)
         raise _remote_error(received, failed) from cause[0]
     (length,) = _TRAILER.unpack_from(view, len(view) - _TRAILER.size)
-    end = len(view) - _TRAILER.size - length  # where the value's pickle ends and its storages' sizes begin
-    sizes = pickle.loads(view[end : end + length])
+    end = len(view) - _TRAILER.size - length  # where the value's pickle ends and its parts' layout begins
+    layout = pickle.loads(view[end : end + length])
     problem = None
-    storages = kept
-    if sizes and not is_root:
+    parts = kept
+    if layout and not is_root:
         try:
-            import torch
-
-            storages = [torch.UntypedStorage(n) for n in sizes]
+            parts = [np.empty(n, dtype=np.uint8) if numpy else _storage(n) for numpy, n, _ in layout]
         except Exception as exc:  # MemoryError: too little room for root's tensors
-            problem = f"{type(exc).__name__} making room for {sum(sizes)} bytes of tensors: {exc}"
-    if sizes:
-        _agree(backend, problem, caller, "could not make room for the tensors")
-        _send_storages(backend, root, storages)
+            total = sum(n for _, n, _ in layout)
+            problem = f"{type(exc).__name__} making room for {total} bytes of tensors and arrays: {exc}"
+    if layout:
+        _agree(backend, problem, caller, "could not make room for the tensors and arrays")
+        _send_parts(backend, root, parts, layout)
     received = value[0]
     if not is_root and problem is None:
         try:
             pickled = view[1:end]
-            received = _StoragesBack(pickled, storages, sys.modules["torch"]).load() if sizes else pickle.loads(pickled)
+            received = _StoragesBack(pickled, parts, sys.modules.get("torch")).load()
         except Exception as exc:
             problem = f"{type(exc).__name__}: {exc}"
     _agree(backend, problem, caller)

@@ -155,8 +155,10 @@ def duplicate(backend: dml.Backend) -> None:
 TENSOR_DTYPES = (*bodies.DTYPES, "complex64")
 # Where a leaf's tensor comes from: its own storage, a view of an earlier leaf's (sharing it), a transposed
 # (non-contiguous) view of its own, an nn.Parameter, a slice past its storage's start, or a big one (the storages
-# of 1 MiB or more travel on their own, the others together).
-LEAF_FORMS = ("plain", "view", "transposed", "parameter", "offset", "big")
+# of 1 MiB or more travel on their own, the others together); or a NumPy array: C- or Fortran-ordered (out of
+# band), strided (in the pickle), read-only, or big.
+NUMPY_FORMS = ("numpy", "numpy_fortran", "numpy_strided", "numpy_readonly", "numpy_big")
+LEAF_FORMS = ("plain", "view", "transposed", "parameter", "offset", "big", *NUMPY_FORMS)
 
 
 @st.composite
@@ -180,21 +182,51 @@ def _tensor_value(seed: int, leaves: list[tuple[str, str, tuple[int, ...]]]) -> 
     """The value ``tensor_cases`` describes, the same on every rank that builds it."""
     g = torch.Generator().manual_seed(seed)
     out: dict[str, Any] = {"tensors": [], "meta": {"seed": seed, "n": len(leaves)}}
+    # Protocol 5's buffers of other objects than NumPy's come back as pickle.loads gives them
+    out["buffers"] = [pickle.PickleBuffer(bytearray(b"ab" * seed)), pickle.PickleBuffer(b"cd" * (seed % 9))]
     for form, dtype, drawn_shape in leaves:
         # big: at least 1 MiB in 4-byte dtypes, with a ragged tail
-        shape = ((1 << 18) + 3, *(max(1, d) for d in drawn_shape[:1])) if form == "big" else drawn_shape
+        big = form in ("big", "numpy_big", "numpy_readonly") and (form != "numpy_readonly" or len(drawn_shape) > 1)
+        shape = ((1 << 18) + 3, *(max(1, d) for d in drawn_shape[:1])) if big else drawn_shape
         numel = int(np.prod(shape)) if shape else 1
         base = (torch.randn(numel + 2, generator=g) * 50).to(getattr(torch, dtype))
         t = base[2:].reshape(shape) if form == "offset" else base[:numel].reshape(shape)
-        earlier = [e for e in out["tensors"] if e.numel()]
+        earlier = [e for e in out["tensors"] if isinstance(e, torch.Tensor) and e.numel()]
         if form == "view" and earlier:  # of the last leaf that has elements (a Parameter's too)
             t = earlier[-1].detach().reshape(-1)[: max(1, earlier[-1].numel() // 2)]
         elif form == "transposed" and t.dim() >= 2:
             t = t.transpose(0, -1)
         elif form == "parameter" and t.is_floating_point():
             t = torch.nn.Parameter(t.clone(), requires_grad=True)
+        if form in NUMPY_FORMS:
+            t = _numpy_leaf(form, t)
         out["tensors"].append(t)
     return out
+
+
+def _numpy_leaf(form: str, t: torch.Tensor) -> np.ndarray:
+    a = (t.float() if t.dtype == torch.bfloat16 else t).numpy().copy()  # NumPy has no bfloat16
+    if form == "numpy_fortran":
+        a = np.asfortranarray(a.T if a.ndim >= 2 else a)
+    elif form == "numpy_strided" and a.ndim:
+        a = a[::2]
+    elif form == "numpy_readonly":
+        a.flags.writeable = False
+    return a
+
+
+def _check_numpy(got: Any, want: np.ndarray, where: Any) -> None:
+    assert type(got) is np.ndarray and got.dtype == want.dtype and got.shape == want.shape, where
+    # A strided array travels in the pickle, which copies it contiguous (as pickle.loads does): only its values
+    # (and a stride along a dimension of size 1, or of an empty array, is arbitrary)
+    strides = [(g, w) for g, w, n in zip(got.strides, want.strides, want.shape, strict=True) if n > 1]
+    assert all(g == w for g, w in strides) or not want.flags.forc or not want.size, where
+    assert got.flags.writeable == want.flags.writeable, where
+    assert got.tobytes(order="A") == want.tobytes(order="A"), where
+
+
+def _storage_ptr(t: torch.Tensor | np.ndarray) -> int | None:
+    return None if isinstance(t, np.ndarray) else t.untyped_storage().data_ptr()
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -221,6 +253,10 @@ def tensors_apart(backend: dml.Backend) -> None:
                 ("view", "bool", (1,)),
                 ("offset", "bfloat16", (4,)),
                 ("transposed", "int16", (2, 3)),
+                ("numpy_fortran", "float16", (3, 2)),
+                ("numpy_readonly", "int64", (2, 2)),
+                ("numpy_strided", "bfloat16", (5,)),
+                ("numpy_big", "float32", ()),
             ],
         )
     )
@@ -237,11 +273,16 @@ def tensors_apart(backend: dml.Backend) -> None:
             continue
         want = _tensor_value(seed, leaves)
         assert got["meta"] == want["meta"]
+        assert [type(b) for b in got["buffers"]] == [bytearray, bytes], got["buffers"]
+        assert got["buffers"] == [bytes(b) for b in want["buffers"]]
         assert len(got["tensors"]) == len(want["tensors"]), (got, leaves)
-        ptrs = [w.untyped_storage().data_ptr() for w in want["tensors"]]
-        got_ptrs = [t.untyped_storage().data_ptr() for t in got["tensors"]]
+        ptrs = [_storage_ptr(w) for w in want["tensors"]]
+        got_ptrs = [_storage_ptr(t) for t in got["tensors"]]
         for k, (t, w) in enumerate(zip(got["tensors"], want["tensors"], strict=True)):
             where = (k, leaves[k])
+            if isinstance(w, np.ndarray):
+                _check_numpy(t, w, where)
+                continue
             assert type(t) is type(w) and t.dtype == w.dtype and t.shape == w.shape, where
             assert t.stride() == w.stride() and t.storage_offset() == w.storage_offset(), where
             assert t.requires_grad == w.requires_grad, where
@@ -250,6 +291,10 @@ def tensors_apart(backend: dml.Backend) -> None:
             assert torch.equal(_storage_bytes(t), _storage_bytes(w)), where  # all of it, past the view too
             for j in range(k):  # a storage shared at the root is shared here, and only then
                 assert (got_ptrs[j] == got_ptrs[k]) == (ptrs[j] == ptrs[k]) or not t.untyped_storage().nbytes(), where
+        for k, a in enumerate(got["tensors"]):  # each array has memory of its own
+            for b in got["tensors"][:k]:
+                if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+                    assert not np.shares_memory(a, b) or not a.nbytes, (k, leaves)
     _world_still_works(backend)
 
 

@@ -29,3 +29,21 @@ def test_object_collectives_threads_and_debug_under_mpiexec(ranks: int) -> None:
     job = shared.job(ranks, OBJECTS_JOB)
     assert job.returncode == 0, job.output[-8000:]
     assert f"CORE JOB PASSED: {' '.join(MODES)} on {ranks} ranks" in job.output, job.output[-8000:]
+
+
+def test_tensors_and_arrays_travel_beside_the_pickle_not_in_it() -> None:
+    """The pickle of a value holding 4 MiB of tensors and 4 MiB of NumPy arrays is a few hundred bytes: their
+    bytes are the parts that travel apart (a view adds nothing; a strided array stays in the pickle)."""
+    import numpy as np
+    import torch
+
+    from distutils_ml.objects import _pack_apart
+
+    t = torch.ones(1 << 20)
+    a = np.ones(1 << 19)
+    value = {"t": t, "view": t[10:], "a": a, "f": np.asfortranarray(np.ones((512, 256))), "s": np.arange(8)[::2]}
+    data, cause, parts = _pack_apart(lambda: value)
+    assert cause is None
+    sizes = sorted(p.nbytes if isinstance(p, memoryview) else p.nbytes() for p in parts)
+    assert sizes == [1 << 20, 4 << 20, 4 << 20], sizes
+    assert len(data) < 2048, len(data)
