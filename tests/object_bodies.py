@@ -270,32 +270,44 @@ def tensors_apart(backend: dml.Backend) -> None:
         got = dml.bcast_object(backend, mine, root=root)
         if backend.rank == root:
             assert got is mine
-            continue
-        want = _tensor_value(seed, leaves)
-        assert got["meta"] == want["meta"]
-        assert [type(b) for b in got["buffers"]] == [bytearray, bytes], got["buffers"]
-        assert got["buffers"] == [bytes(b) for b in want["buffers"]]
-        assert len(got["tensors"]) == len(want["tensors"]), (got, leaves)
-        ptrs = [_storage_ptr(w) for w in want["tensors"]]
-        got_ptrs = [_storage_ptr(t) for t in got["tensors"]]
-        for k, (t, w) in enumerate(zip(got["tensors"], want["tensors"], strict=True)):
-            where = (k, leaves[k])
-            if isinstance(w, np.ndarray):
-                _check_numpy(t, w, where)
-                continue
-            assert type(t) is type(w) and t.dtype == w.dtype and t.shape == w.shape, where
-            assert t.stride() == w.stride() and t.storage_offset() == w.storage_offset(), where
-            assert t.requires_grad == w.requires_grad, where
-            assert t.untyped_storage().nbytes() == w.untyped_storage().nbytes(), where
-            assert torch.equal(t.detach(), w.detach()), where
-            assert torch.equal(_storage_bytes(t), _storage_bytes(w)), where  # all of it, past the view too
-            for j in range(k):  # a storage shared at the root is shared here, and only then
-                assert (got_ptrs[j] == got_ptrs[k]) == (ptrs[j] == ptrs[k]) or not t.untyped_storage().nbytes(), where
-        for k, a in enumerate(got["tensors"]):  # each array has memory of its own
-            for b in got["tensors"][:k]:
-                if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
-                    assert not np.shares_memory(a, b) or not a.nbytes, (k, leaves)
+        else:
+            _check_value(got, _tensor_value(seed, leaves), leaves)
+        # and every rank's, each its own (the seed differs by rank)
+        mine = _tensor_value(seed + backend.rank, leaves)
+        every = dml.allgather_object(backend, mine)
+        assert len(every) == backend.size and every[backend.rank] is mine
+        for r, got in enumerate(every):
+            if r != backend.rank:
+                _check_value(got, _tensor_value(seed + r, leaves), leaves)
     _world_still_works(backend)
+
+
+def _check_value(got: dict[str, Any], want: dict[str, Any], leaves: list[tuple[str, str, tuple[int, ...]]]) -> None:
+    """``got`` is ``want`` (a :func:`_tensor_value`) received: bits, dtype, shape, strides, which tensors share a
+    storage; in memory of its own."""
+    assert got["meta"] == want["meta"]
+    assert [type(b) for b in got["buffers"]] == [bytearray, bytes], got["buffers"]
+    assert got["buffers"] == [bytes(b) for b in want["buffers"]]
+    assert len(got["tensors"]) == len(want["tensors"]), (got, leaves)
+    ptrs = [_storage_ptr(w) for w in want["tensors"]]
+    got_ptrs = [_storage_ptr(t) for t in got["tensors"]]
+    for k, (t, w) in enumerate(zip(got["tensors"], want["tensors"], strict=True)):
+        where = (k, leaves[k])
+        if isinstance(w, np.ndarray):
+            _check_numpy(t, w, where)
+            continue
+        assert type(t) is type(w) and t.dtype == w.dtype and t.shape == w.shape, where
+        assert t.stride() == w.stride() and t.storage_offset() == w.storage_offset(), where
+        assert t.requires_grad == w.requires_grad, where
+        assert t.untyped_storage().nbytes() == w.untyped_storage().nbytes(), where
+        assert torch.equal(t.detach(), w.detach()), where
+        assert torch.equal(_storage_bytes(t), _storage_bytes(w)), where  # all of it, past the view too
+        for j in range(k):  # a storage shared at the root is shared here, and only then
+            assert (got_ptrs[j] == got_ptrs[k]) == (ptrs[j] == ptrs[k]) or not t.untyped_storage().nbytes(), where
+    for k, a in enumerate(got["tensors"]):  # each array has memory of its own
+        for b in got["tensors"][:k]:
+            if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+                assert not np.shares_memory(a, b) or not a.nbytes, (k, leaves)
 
 
 BODIES = [values, failures, large_pickle, duplicate, tensors_apart]

@@ -236,6 +236,8 @@ OUTSIDE_PRIVATES = {
     "_version": "torch.Tensor._version: the in-place version counter autograd checks; step_during_backward's check "
     "that no gradient changed after it was stepped",
     "_timeout": "see _Options",
+    "_untyped_storage": "torch's TypedStorage._untyped_storage, as torch.save reads it: the object broadcasts' "
+    "storages sent beside the pickle (the public .untyped() warns that TypedStorage is deprecated, on every call)",
 }
 
 

@@ -34,6 +34,8 @@ def test_object_collectives_threads_and_debug_under_mpiexec(ranks: int) -> None:
 def test_tensors_and_arrays_travel_beside_the_pickle_not_in_it() -> None:
     """The pickle of a value holding 4 MiB of tensors and 4 MiB of NumPy arrays is a few hundred bytes: their
     bytes are the parts that travel apart (a view adds nothing; a strided array stays in the pickle)."""
+    import warnings
+
     import numpy as np
     import torch
 
@@ -42,7 +44,9 @@ def test_tensors_and_arrays_travel_beside_the_pickle_not_in_it() -> None:
     t = torch.ones(1 << 20)
     a = np.ones(1 << 19)
     value = {"t": t, "view": t[10:], "a": a, "f": np.asfortranarray(np.ones((512, 256))), "s": np.arange(8)[::2]}
-    data, cause, parts = _pack_apart(lambda: value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's TypedStorage deprecation warnings, say
+        data, cause, parts = _pack_apart(lambda: value)
     assert cause is None
     sizes = sorted(p.nbytes if isinstance(p, memoryview) else p.nbytes() for p in parts)
     assert sizes == [1 << 20, 4 << 20, 4 << 20], sizes
