@@ -40,6 +40,7 @@ __all__ = ["allgather_object", "bcast_object", "digest", "run_on_root"]
 
 T = TypeVar("T")
 _OK, _FAILED = b"\x00", b"\x01"
+_INLINE = b"\x02"  # as _OK, with the parts' bytes after the layout (see _inline)
 # Where the class of a remote error is looked up, to raise the same class on every rank.
 _ERROR_MODULES = {"builtins": builtins, "pickle": pickle, "_pickle": pickle}
 
@@ -236,29 +237,32 @@ def _room(layout: list[tuple[bool, int, bool]]) -> list[Any]:
     return [np.empty(n, dtype=np.uint8) if numpy else _storage(n) for numpy, n, _ in layout]
 
 
-def _pack_together(produce: Callable[[], Any]) -> tuple[bytes | bytearray, BaseException | None]:
-    """:func:`_pack_apart`'s bytes, then the parts' bytes, then the length of those: one buffer (the parts
-    copied once, at memory speed, where pickling a tensor's storage costs about 6 s per GiB)."""
-    data, cause, parts = _pack_apart(produce)
-    if cause is not None:
-        return bytes(data), cause
+def _inline(data: bytes | memoryview, parts: list[Any]) -> bytearray:
+    """What :func:`_pack_apart` made (``_OK`` first), with ``_INLINE`` first instead, then the parts' bytes, then
+    their length: one buffer (the parts copied once, at memory speed, where pickling a tensor's storage costs
+    about 6 s per GiB)."""
     out = bytearray(len(data) + sum(_nbytes(p) for p in parts) + _TRAILER.size)
     flat = np.frombuffer(out, dtype=np.uint8)
     flat[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+    flat[0] = _INLINE[0]
     at = len(data)
     for p in parts:
         n = _nbytes(p)
         flat[at : at + n] = _bytes_of(p)
         at += n
     _TRAILER.pack_into(out, at, at - len(data))
-    return out, None
+    return out
 
 
-def _unpack_together(data: bytes | bytearray) -> tuple[bool, Any]:
-    """(True, value) or (False, the producer's error description) from :func:`_pack_together`'s bytes."""
+def _pack_together(produce: Callable[[], Any]) -> tuple[bytes | bytearray, BaseException | None]:
+    """``produce()`` as one buffer: :func:`_inline`, or ``_FAILED`` and a pickled description."""
+    data, cause, parts = _pack_apart(produce)
+    return (bytes(data), cause) if cause is not None else (_inline(data, parts), None)
+
+
+def _unpack_inline(data: bytes | bytearray) -> Any:
+    """The value in :func:`_inline`'s bytes, its parts in memory of their own."""
     view = memoryview(data)
-    if data[:1] != _OK:
-        return False, pickle.loads(view[1:])
     (length,) = _TRAILER.unpack_from(view, len(view) - _TRAILER.size)
     blob_at = len(view) - _TRAILER.size - length
     pickled, layout = _split(view[:blob_at])
@@ -267,7 +271,14 @@ def _unpack_together(data: bytes | bytearray) -> tuple[bool, Any]:
     for p, (_, n, _) in zip(parts, layout, strict=True):
         _bytes_of(p)[:] = np.frombuffer(view[at : at + n], dtype=np.uint8)
         at += n
-    return True, _StoragesBack(pickled, parts, sys.modules.get("torch")).load()
+    return _StoragesBack(pickled, parts, sys.modules.get("torch")).load()
+
+
+def _unpack_together(data: bytes | bytearray) -> tuple[bool, Any]:
+    """(True, value) or (False, the producer's error description) from :func:`_pack_together`'s bytes."""
+    if data[:1] == _FAILED:
+        return False, pickle.loads(memoryview(data)[1:])
+    return True, _unpack_inline(data)
 
 
 def _broadcast(backend: Backend, root: int, produce: Callable[[], Any], caller: str, failed: str) -> Any:
@@ -275,7 +286,8 @@ def _broadcast(backend: Backend, root: int, produce: Callable[[], Any], caller: 
 
     Its CPU tensors' storages and contiguous NumPy arrays travel apart from the pickle, as raw buffers
     (:class:`_StoragesApart`): one broadcast of the pickle and the parts' sizes, then, once every rank
-    has made room for them, the parts themselves.
+    has made room for them, the parts themselves. Parts of less than 1 MiB in all travel after the
+    pickle, in its broadcast (:func:`_inline`).
     """
     if backend.debug:
         backend._check_call("bcast_object", None, None, None, root)
@@ -290,13 +302,14 @@ def _broadcast(backend: Backend, root: int, produce: Callable[[], Any], caller: 
             return value[0]
 
         data, cause[0], parts = _pack_apart(keep)
+        if parts and sum(_nbytes(p) for p in parts) < _SMALL_PART:  # in the same broadcast: no collective more
+            return _inline(data, parts)
         kept.extend(parts)
         return data
 
     data = backend._bcast_bytes(None, root, make if is_root else None)
     view = memoryview(data)
-    ok = data[:1] == _OK
-    if not ok:  # root's error, as a pickled description: no parts follow
+    if data[:1] == _FAILED:  # root's error, as a pickled description: no parts follow
         problem = None
         received = None
         try:
@@ -305,22 +318,32 @@ def _broadcast(backend: Backend, root: int, produce: Callable[[], Any], caller: 
             problem = f"{type(exc).__name__}: {exc}"
         _agree(backend, problem, caller)
         raise _remote_error(received, failed) from cause[0]
-    pickled, layout = _split(view)
     problem = None
-    parts = kept
-    if layout and not is_root:
-        try:
-            parts = _room(layout)
-        except Exception as exc:  # MemoryError: too little room for root's tensors
-            total = sum(n for _, n, _ in layout)
-            problem = f"{type(exc).__name__} making room for {total} bytes of tensors and arrays: {exc}"
-    if layout:
-        _agree(backend, problem, caller, "could not make room for the tensors and arrays")
-        _send_parts(backend, root, parts, layout)
+    if data[:1] == _INLINE:
+
+        def load() -> Any:
+            return _unpack_inline(data)
+
+    else:
+        pickled, layout = _split(view)
+        parts = kept
+        if layout and not is_root:
+            try:
+                parts = _room(layout)
+            except Exception as exc:  # MemoryError: too little room for root's tensors
+                total = sum(n for _, n, _ in layout)
+                problem = f"{type(exc).__name__} making room for {total} bytes of tensors and arrays: {exc}"
+        if layout:
+            _agree(backend, problem, caller, "could not make room for the tensors and arrays")
+            _send_parts(backend, root, parts, layout)
+
+        def load() -> Any:
+            return _StoragesBack(pickled, parts, sys.modules.get("torch")).load()
+
     received = value[0]
     if not is_root and problem is None:
         try:
-            received = _StoragesBack(pickled, parts, sys.modules.get("torch")).load()
+            received = load()
         except Exception as exc:
             problem = f"{type(exc).__name__}: {exc}"
     _agree(backend, problem, caller)
@@ -398,7 +421,7 @@ def allgather_object(backend: Backend, obj: Any) -> list[Any]:
         problem = None
         for r, data in enumerate(parts):
             if r == backend.rank:
-                values.append((data[:1] == _OK, obj if cause is None else pickle.loads(memoryview(data)[1:])))
+                values.append((cause is None, obj if cause is None else pickle.loads(memoryview(data)[1:])))
                 continue
             try:
                 values.append(_unpack_together(data))

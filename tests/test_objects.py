@@ -51,3 +51,26 @@ def test_tensors_and_arrays_travel_beside_the_pickle_not_in_it() -> None:
     sizes = sorted(p.nbytes if isinstance(p, memoryview) else p.nbytes() for p in parts)
     assert sizes == [1 << 20, 4 << 20, 4 << 20], sizes
     assert len(data) < 2048, len(data)
+
+
+def test_small_tensors_travel_in_the_pickles_broadcast_and_big_ones_after_it() -> None:
+    """Less than 1 MiB of tensors and arrays in all: one broadcast of bytes and one agreement, as a value without
+    any; more: then an agreement that every rank made room, and the parts, each big one in place."""
+    import numpy as np
+    import torch
+
+    def body(backend: dml.Backend) -> list[list[str]]:
+        seen: list[list[str]] = []
+        backend.observe(lambda name, original, *args: (seen[-1].append(name), original(*args))[1])
+        try:
+            for value in ({"t": torch.ones(3), "a": np.ones(3)}, {"big": torch.ones(1 << 19), "t": torch.ones(3)}):
+                seen.append([])
+                got = dml.bcast_object(backend, value if backend.rank == 0 else None)
+                assert all(np.array_equal(np.asarray(got[k]), np.asarray(v)) for k, v in value.items())
+        finally:
+            backend.observe(None)
+        return seen
+
+    small, big = ["_bcast_bytes", "_allgather"], ["_bcast_bytes", "_allgather", "_bcast", "_bcast", "_allgather"]
+    for seen in dml.LocalBackend.spawn(2, body):
+        assert [[n for n in calls if n != "_check_call"] for calls in seen] == [small, big], seen
