@@ -18,8 +18,9 @@ import torch
 
 import distutils_ml as dml
 
+import shared
 from compile_job import CASES, Case, compare_body, graphs, name
-from mpirun import requires_mpi, run_mpi
+from mpirun import assert_checks_passed, requires_mpi
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,12 +49,18 @@ def test_compiled_model_trains_as_eager_on_local(case: Case) -> None:
     assert all(r["graphs"] >= 1 for r in results), results  # the checks ran on a compiled model
 
 
+COMPILE_JOB = shared.register("compile", "compile_job", timeout=240)
+
+
 @requires_mpi
-@pytest.mark.parametrize("world", [2, 3])
-def test_compiled_model_trains_as_eager_under_mpi(world: int) -> None:
-    job = run_mpi(world, ["tests/compile_job.py"], timeout=240)
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.shared_job(COMPILE_JOB)
+def test_compiled_model_trains_as_eager_under_mpi(ranks: int) -> None:
+    job = shared.job(ranks, COMPILE_JOB)
     assert job.returncode == 0, job.output[-12000:]
-    assert f"COMPILE CHECKS PASSED: {' '.join(map(name, CASES))} on {world} ranks" in job.output, job.output
+    checks = list(map(name, CASES))
+    assert f"COMPILE CHECKS PASSED: {' '.join(checks)} on {ranks} ranks" in job.output, job.output[-12000:]
+    assert_checks_passed(job, checks, ranks)
 
 
 def test_importing_the_library_and_collectives_do_not_load_dynamo() -> None:

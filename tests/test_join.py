@@ -12,7 +12,8 @@ import distutils_ml as dml
 from distutils_ml.backends.local import RankFailedError
 
 import join_bodies
-from mpirun import requires_mpi, run_mpi
+import shared
+from mpirun import assert_checks_passed, requires_mpi, run_mpi
 
 
 @settings(max_examples=40, deadline=None)
@@ -46,15 +47,29 @@ def test_without_join_the_stall_is_reported() -> None:
         dml.LocalBackend.spawn(2, body, timeout=60)
 
 
+JOIN_JOB = shared.register("join", "join_job", timeout=300)
+
+
 @requires_mpi
-@pytest.mark.parametrize(("ranks", "transport", "debug"), [(2, "mpi", "0"), (3, "mpi", "1"), (2, "gloo", "0"),
-                                                           (3, "gloo", "1")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("ranks", "transport", "debug"),
+    [
+        pytest.param(2, "mpi", "0", marks=pytest.mark.shared_job(JOIN_JOB)),  # one host's defaults
+        (3, "mpi", "1"),
+        (2, "gloo", "0"),
+        (3, "gloo", "1"),
+    ],
+)
 def test_join_under_mpiexec(ranks: int, transport: str, debug: str) -> None:
     # gloo: the gradient buckets go over the transport of ranks on several hosts (forced here on one), whose calls
     # a rank that has run out of data must answer too (they stalled the job before). Debug mode: a joined rank's
     # answer is compared as made where the announcer made it (it was a mismatch of call sites before), and its
     # gloo answer makes no comparison of its own (the announcer's comes as an announcement)
     env = {"DML_TRANSPORT": transport, "DML_DEBUG": debug}
-    job = run_mpi(ranks, ["tests/join_job.py"], timeout=300, envs=[env] * ranks)
+    if (transport, debug) == ("mpi", "0"):  # the shared job's environment
+        job = shared.job(ranks, JOIN_JOB)
+    else:
+        job = run_mpi(ranks, ["tests/join_job.py"], timeout=300, envs=[env] * ranks)
     assert job.returncode == 0, job.output[-8000:]
-    assert "JOIN CHECKS PASSED" in job.output, job.output[-8000:]
+    assert f"JOIN CHECKS PASSED: uneven refusals on {ranks} ranks" in job.output, job.output[-8000:]
+    assert_checks_passed(job, ["uneven", "refusals"], ranks)

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 import distutils_ml as dml
 
+import shared
 import stepping_bodies as sb
-from mpirun import requires_mpi, run_mpi
+from mpirun import assert_checks_passed, requires_mpi, run_mpi
 
 
 @settings(max_examples=40, deadline=None)
@@ -113,17 +114,30 @@ def test_optimizers_that_couple_parameters_prefetch_and_join_are_refused() -> No
     dml.LocalBackend.spawn(2, body)
 
 
+STEPPING_JOB = shared.register("stepping", "stepping_job", timeout=240)
+
+
 @requires_mpi
 @pytest.mark.parametrize(
-    ("ranks", "transport", "debug"), [(2, "mpi", False), (3, "mpi", True), (2, "gloo", False), (3, "gloo", True)]
+    ("ranks", "transport", "debug"),
+    [
+        pytest.param(2, "mpi", False, marks=pytest.mark.shared_job(STEPPING_JOB)),  # one host's defaults
+        (3, "mpi", True),
+        (2, "gloo", False),
+        (3, "gloo", True),
+    ],
 )
 def test_stepping_during_backward_under_mpiexec(ranks: int, transport: str, debug: bool) -> None:
     """The bodies under mpiexec; with 3 ranks in debug mode too, where a rank whose backward reached no parameter
     reduces in step() what the others reduced in backward, as one call site (a CollectiveMismatchError before)."""
     env = {"DML_TRANSPORT": transport, "DML_OVERLAP": "1" if transport == "gloo" else "0", "DML_DEBUG": str(int(debug))}
-    job = run_mpi(ranks, ["tests/stepping_job.py"], timeout=240, envs=[env] * ranks)
+    if (transport, debug) == ("mpi", False):  # MPI without overlap nor debug mode: the shared job's environment
+        job = shared.job(ranks, STEPPING_JOB)
+    else:
+        job = run_mpi(ranks, ["tests/stepping_job.py"], timeout=240, envs=[env] * ranks)
     assert job.returncode == 0, job.output[-8000:]
     assert f"STEPPING CHECKS PASSED: equivalence errors on {ranks} ranks" in job.output, job.output[-8000:]
+    assert_checks_passed(job, ["equivalence", "errors"], ranks)
 
 
 def _adamw_run(backend: dml.Backend, shard: bool, during: bool) -> torch.Tensor:
