@@ -107,17 +107,19 @@ class _StoragesApart(pickle.Pickler):
     """
 
     def __init__(self, file: io.BytesIO, torch: Any) -> None:
-        super().__init__(file, protocol=5, buffer_callback=self._buffer)
-        self._torch = torch
-        self.parts: list[Any] = []  # UntypedStorages and, for NumPy's buffers, memoryviews, in pickling order
-        self._index: dict[int, int] = {}
+        parts: list[Any] = []  # UntypedStorages and, for NumPy's buffers, memoryviews, in pickling order
 
-    def _buffer(self, buffer: pickle.PickleBuffer) -> bool:
-        raw = buffer.raw()
-        if not isinstance(raw.obj, np.ndarray):  # bytes, bytearray, a user's class: in band, as pickle does
-            return True
-        self.parts.append(raw)
-        return False  # out of band
+        def out_of_band(buffer: pickle.PickleBuffer) -> bool:  # not a method: the pickler would hold itself
+            raw = buffer.raw()
+            if not isinstance(raw.obj, np.ndarray):  # bytes, bytearray, a user's class: in band, as pickle does
+                return True
+            parts.append(raw)
+            return False
+
+        super().__init__(file, protocol=5, buffer_callback=out_of_band)
+        self._torch = torch
+        self.parts = parts
+        self._index: dict[int, int] = {}
 
     def persistent_id(self, obj: Any) -> Any:
         torch = self._torch

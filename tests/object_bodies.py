@@ -183,7 +183,7 @@ def _tensor_value(seed: int, leaves: list[tuple[str, str, tuple[int, ...]]]) -> 
     g = torch.Generator().manual_seed(seed)
     out: dict[str, Any] = {"tensors": [], "meta": {"seed": seed, "n": len(leaves)}}
     # Protocol 5's buffers of other objects than NumPy's come back as pickle.loads gives them
-    out["buffers"] = [pickle.PickleBuffer(bytearray(b"ab" * seed)), pickle.PickleBuffer(b"cd" * (seed % 9))]
+    out["buffers"] = [pickle.PickleBuffer(bytearray(b"ab" * (seed % 7))), pickle.PickleBuffer(b"cd" * (seed % 9))]
     for form, dtype, drawn_shape in leaves:
         # big: at least 1 MiB in 4-byte dtypes, with a ragged tail
         big = form in ("big", "numpy_big", "numpy_readonly") and (form != "numpy_readonly" or len(drawn_shape) > 1)
