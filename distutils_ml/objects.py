@@ -119,7 +119,7 @@ class _StoragesApart(pickle.Pickler):
         super().__init__(file, protocol=5, buffer_callback=out_of_band)
         self._torch = torch
         self.parts = parts
-        self._index: dict[int, int] = {}
+        self._index: dict[tuple[int, int], int] = {}
 
     def persistent_id(self, obj: Any) -> Any:
         torch = self._torch
@@ -133,8 +133,10 @@ class _StoragesApart(pickle.Pickler):
             return None
         if untyped.device.type != "cpu":
             return None  # pickled as torch pickles it
-        # One storage is one allocation: its address names it (an empty one has none, and travels alone).
-        key = untyped.data_ptr() if untyped.nbytes() else None
+        # A storage is named by its address and size: two storages over the same bytes (torch.from_numpy of one
+        # array, twice) travel once and stay shared; over a part of them (of a slice of it), apart. An empty one
+        # has no address, and travels alone.
+        key = (untyped.data_ptr(), untyped.nbytes()) if untyped.nbytes() else None
         if key is None or key not in self._index:
             index = len(self.parts)
             self.parts.append(untyped)

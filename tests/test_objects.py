@@ -97,3 +97,25 @@ def test_an_object_collective_holds_no_reference_to_the_value_once_it_returns() 
                 assert [r() for r in refs] == [None, None], (collective.__name__, size)
     finally:
         gc.enable()
+
+
+def test_storages_over_the_same_memory_arrive_whole_and_shared_as_they_were() -> None:
+    """Two storages over one array (``torch.from_numpy`` twice: one storage's bytes, shared on arrival) and over a
+    part of it (of a slice: a smaller storage at the same address, which must not stand for the whole)."""
+    import numpy as np
+    import torch
+
+    a = np.arange(10.0)
+
+    def value() -> list[torch.Tensor]:
+        return [torch.from_numpy(a[:5]), torch.from_numpy(a), torch.from_numpy(a)]
+
+    def body(backend: dml.Backend) -> None:
+        got = dml.bcast_object(backend, value() if backend.rank == 0 else None)
+        for received in (got, dml.allgather_object(backend, value())[1 - backend.rank]):
+            assert [t.tolist() for t in received] == [a[:5].tolist(), a.tolist(), a.tolist()], received
+            if backend.rank == 1 or received is not got:
+                ptrs = [t.untyped_storage().data_ptr() for t in received]
+                assert ptrs[1] == ptrs[2] != ptrs[0], ptrs
+
+    dml.LocalBackend.spawn(2, body)
