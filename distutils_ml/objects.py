@@ -237,8 +237,11 @@ def _split(view: memoryview) -> tuple[memoryview, list[tuple[bool, int, bool]]]:
 
 
 def _room(layout: list[tuple[bool, int, bool]]) -> list[Any]:
-    """Fresh memory for the parts ``layout`` describes: a uint8 array for a NumPy buffer, else a storage."""
-    return [np.empty(n, dtype=np.uint8) if numpy else _storage(n) for numpy, n, _ in layout]
+    """Fresh memory for the parts ``layout`` describes: a uint8 array for a NumPy buffer, else a storage.
+
+    The arrays' memory comes from torch's allocator (the library loads torch): a 256 MiB array received into it
+    took 0.12 s on 2 ranks, and 0.43 s into ``np.empty``'s (benchmarks/objects.py)."""
+    return [_bytes_of(_storage(n)) if numpy else _storage(n) for numpy, n, _ in layout]
 
 
 def _inline(data: bytes | memoryview, parts: list[Any]) -> bytearray:
