@@ -27,11 +27,11 @@ import hashlib
 import io
 import pickle
 import struct
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
+import torch
 
 from distutils_ml.backends.base import Backend, check_backend
 from distutils_ml.collectives import check_root
@@ -106,7 +106,7 @@ class _StoragesApart(pickle.Pickler):
     Contiguous NumPy arrays go out of band by pickle's protocol 5 (``buffer_callback``).
     """
 
-    def __init__(self, file: io.BytesIO, torch: Any) -> None:
+    def __init__(self, file: io.BytesIO) -> None:
         parts: list[Any] = []  # UntypedStorages and, for NumPy's buffers, memoryviews, in pickling order
 
         def out_of_band(buffer: pickle.PickleBuffer) -> bool:  # not a method: the pickler would hold itself
@@ -117,14 +117,10 @@ class _StoragesApart(pickle.Pickler):
             return False
 
         super().__init__(file, protocol=5, buffer_callback=out_of_band)
-        self._torch = torch
         self.parts = parts
         self._index: dict[tuple[int, int], int] = {}
 
     def persistent_id(self, obj: Any) -> Any:
-        torch = self._torch
-        if torch is None:  # not imported: no tensor can be in the value
-            return None
         if isinstance(obj, torch.storage.TypedStorage):
             untyped, dtype = obj._untyped_storage, obj.dtype  # .untyped() warns on every call
         elif isinstance(obj, torch.UntypedStorage):
@@ -149,17 +145,17 @@ class _StoragesApart(pickle.Pickler):
 class _StoragesBack(pickle.Unpickler):
     """Unpickles what :class:`_StoragesApart` pickled, with the parts received apart."""
 
-    def __init__(self, data: memoryview, parts: list[Any], torch: Any) -> None:
+    def __init__(self, data: memoryview, parts: list[Any]) -> None:
         buffers = [p for p in parts if isinstance(p, np.ndarray)]
         super().__init__(io.BytesIO(data), buffers=buffers)
-        self._parts, self._torch = parts, torch
+        self._parts = parts
 
     def persistent_load(self, pid: Any) -> Any:
         index, dtype = pid
         untyped = self._parts[index]
         if dtype is None:
             return untyped
-        return self._torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 
 
 _TRAILER = struct.Struct("<q")  # at the end: the length of the parts' layout, pickled, before it
@@ -170,9 +166,9 @@ def _nbytes(part: Any) -> int:
     return part.nbytes if isinstance(part, memoryview) else part.nbytes()
 
 
-def _layout(parts: list[Any]) -> list[tuple[bool, int, bool]]:
-    """Per part: (a NumPy buffer?, its size, sent alone?). Parts of 1 MiB or more travel alone, in place."""
-    return [(isinstance(p, memoryview), _nbytes(p), _nbytes(p) >= _SMALL_PART) for p in parts]
+def _layout(parts: list[Any]) -> list[tuple[bool, int]]:
+    """Per part: (a NumPy buffer?, its size)."""
+    return [(isinstance(p, memoryview), _nbytes(p)) for p in parts]
 
 
 def _pack_apart(produce: Callable[[], Any]) -> tuple[bytes | memoryview, BaseException | None, list[Any]]:
@@ -183,7 +179,7 @@ def _pack_apart(produce: Callable[[], Any]) -> tuple[bytes | memoryview, BaseExc
         value = produce()
         out = io.BytesIO()
         out.write(_OK)
-        pickler = _StoragesApart(out, sys.modules.get("torch"))
+        pickler = _StoragesApart(out)
         pickler.dump(value)
         layout = pickle.dumps(_layout(pickler.parts))
         out.write(layout)
@@ -193,55 +189,59 @@ def _pack_apart(produce: Callable[[], Any]) -> tuple[bytes | memoryview, BaseExc
         return _FAILED + pickle.dumps((type(exc).__module__, type(exc).__qualname__, str(exc))), exc, []
 
 
-def _storage(nbytes: int) -> Any:
-    import torch
-
-    return torch.UntypedStorage(nbytes)
-
-
 def _bytes_of(part: Any) -> np.ndarray:
     """A part's bytes as a uint8 array (no copy)."""
     if isinstance(part, np.ndarray):
         return part
     if isinstance(part, memoryview):
         return np.frombuffer(part, dtype=np.uint8)
-    import torch
-
     return torch.empty(0, dtype=torch.uint8).set_(part, 0, (part.nbytes(),), (1,)).numpy()
 
 
-def _send_parts(backend: Backend, root: int, parts: list[Any], layout: list[tuple[bool, int, bool]]) -> None:
-    """Root's parts into every rank's (same sizes, in order): the small ones in one buffer, each big one alone."""
+def _copy_parts(parts: list[Any], flat: np.ndarray, *, into_flat: bool) -> None:
+    """Copy ``parts``' bytes, one after another, into ``flat`` (``into_flat=False``: from it, into the parts)."""
+    at = 0
+    for p in parts:
+        mine = _bytes_of(p)
+        if into_flat:
+            flat[at : at + mine.size] = mine
+        else:
+            mine[:] = flat[at : at + mine.size]
+        at += mine.size
+
+
+def _send_parts(backend: Backend, root: int, parts: list[Any], layout: list[tuple[bool, int]]) -> None:
+    """Root's parts into every rank's (same sizes, in order): those under 1 MiB in one buffer, each other alone,
+    in place."""
     is_root = backend.rank == root
-    together = [k for k, (_, n, alone) in enumerate(layout) if n and not alone]
-    if together:
-        offsets = np.cumsum([0] + [layout[k][1] for k in together])
-        flat = np.empty(int(offsets[-1]), dtype=np.uint8)
+    alone = [n >= _SMALL_PART for _, n in layout]
+    together = [p for p, big in zip(parts, alone, strict=True) if not big]
+    total = sum(n for (_, n), big in zip(layout, alone, strict=True) if not big)
+    if total:
+        flat = np.empty(total, dtype=np.uint8)
         if is_root:
-            for k, start, end in zip(together, offsets[:-1], offsets[1:], strict=True):
-                flat[start:end] = _bytes_of(parts[k])
+            _copy_parts(together, flat, into_flat=True)
         backend._bcast(flat, root)
         if not is_root:
-            for k, start, end in zip(together, offsets[:-1], offsets[1:], strict=True):
-                _bytes_of(parts[k])[:] = flat[start:end]
-    for p, (_, _, alone) in zip(parts, layout, strict=True):
-        if alone:
+            _copy_parts(together, flat, into_flat=False)
+    for p, big in zip(parts, alone, strict=True):
+        if big:
             backend._bcast(_bytes_of(p), root)
 
 
-def _split(view: memoryview) -> tuple[memoryview, list[tuple[bool, int, bool]]]:
+def _split(view: memoryview) -> tuple[memoryview, list[tuple[bool, int]]]:
     """What :func:`_pack_apart` made (``_OK`` first): the value's pickle and the parts' layout."""
     (length,) = _TRAILER.unpack_from(view, len(view) - _TRAILER.size)
     end = len(view) - _TRAILER.size - length  # where the value's pickle ends and its parts' layout begins
     return view[1:end], pickle.loads(view[end : end + length])
 
 
-def _room(layout: list[tuple[bool, int, bool]]) -> list[Any]:
+def _room(layout: list[tuple[bool, int]]) -> list[Any]:
     """Fresh memory for the parts ``layout`` describes: a uint8 array for a NumPy buffer, else a storage.
 
     The arrays' memory comes from torch's allocator (the library loads torch): a 256 MiB array received into it
     took 0.12 s on 2 ranks, and 0.43 s into ``np.empty``'s (benchmarks/objects.py)."""
-    return [_bytes_of(_storage(n)) if numpy else _storage(n) for numpy, n, _ in layout]
+    return [_bytes_of(torch.UntypedStorage(n)) if numpy else torch.UntypedStorage(n) for numpy, n in layout]
 
 
 def _inline(data: bytes | memoryview, parts: list[Any]) -> bytearray:
@@ -252,12 +252,8 @@ def _inline(data: bytes | memoryview, parts: list[Any]) -> bytearray:
     flat = np.frombuffer(out, dtype=np.uint8)
     flat[: len(data)] = np.frombuffer(data, dtype=np.uint8)
     flat[0] = _INLINE[0]
-    at = len(data)
-    for p in parts:
-        n = _nbytes(p)
-        flat[at : at + n] = _bytes_of(p)
-        at += n
-    _TRAILER.pack_into(out, at, at - len(data))
+    _copy_parts(parts, flat[len(data) : len(out) - _TRAILER.size], into_flat=True)
+    _TRAILER.pack_into(out, len(out) - _TRAILER.size, len(out) - _TRAILER.size - len(data))
     return out
 
 
@@ -274,11 +270,8 @@ def _unpack_inline(data: bytes | bytearray) -> Any:
     blob_at = len(view) - _TRAILER.size - length
     pickled, layout = _split(view[:blob_at])
     parts = _room(layout)
-    at = blob_at
-    for p, (_, n, _) in zip(parts, layout, strict=True):
-        _bytes_of(p)[:] = np.frombuffer(view[at : at + n], dtype=np.uint8)
-        at += n
-    return _StoragesBack(pickled, parts, sys.modules.get("torch")).load()
+    _copy_parts(parts, np.frombuffer(view[blob_at : len(view) - _TRAILER.size], dtype=np.uint8), into_flat=False)
+    return _StoragesBack(pickled, parts).load()
 
 
 def _unpack_together(data: bytes | bytearray) -> tuple[bool, Any]:
@@ -338,14 +331,14 @@ def _broadcast(backend: Backend, root: int, produce: Callable[[], Any], caller: 
             try:
                 parts = _room(layout)
             except Exception as exc:  # MemoryError: too little room for root's tensors
-                total = sum(n for _, n, _ in layout)
+                total = sum(n for _, n in layout)
                 problem = f"{type(exc).__name__} making room for {total} bytes of tensors and arrays: {exc}"
         if layout:
             _agree(backend, problem, caller, "could not make room for the tensors and arrays")
             _send_parts(backend, root, parts, layout)
 
         def load() -> Any:
-            return _StoragesBack(pickled, parts, sys.modules.get("torch")).load()
+            return _StoragesBack(pickled, parts).load()
 
     received = value[0]
     if not is_root and problem is None:
