@@ -634,7 +634,8 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
                 step_groups(self._inner, members)
         except Exception as e:  # still allgathered below: the other ranks wait for these buckets
             failure = e
-        if not (unsettled or any(by_bucket[nb][1])) or size == 1:  # nothing stepped here on any rank
+        # Parameters without elements are rank 0's, but every rank knows there are some: the same test everywhere.
+        if not (unsettled or any(k < 0 for k in self._bucket_of)) or size == 1:  # nothing stepped on any rank
             if failure is not None:
                 raise failure
             return

@@ -1072,14 +1072,21 @@ class Mixed(torch.nn.Module):
         return (h.double() @ self.b) * self.scalar
 
 
-def special_parameters_body(backend: dml.Backend, kind: str) -> None:
+def special_parameters_body(backend: dml.Backend, kind: str, step_during_backward: bool = False) -> None:
     """Two dtypes (two flat buffers), a 0-d, an empty and a frozen parameter: as unsharded, state_dict included;
-    then add_param_group, after which both go on alike."""
+    then add_param_group, after which both go on alike (``step_during_backward``: the sharded one steps its buckets
+    during backward, and rank 0 alone steps the empty parameter at its end: every rank makes the same collectives)."""
     rank = dml.local_rank(backend)
     models = [Mixed(), Mixed()]
     extra = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))]
     opts = [
-        dml.DistributedOptimizer(backend, make_optimizer(kind, m.parameters()), bucket_bytes=32, shard_state=s)
+        dml.DistributedOptimizer(
+            backend,
+            make_optimizer(kind, m.parameters()),
+            bucket_bytes=32,
+            shard_state=s,
+            step_during_backward=step_during_backward and s,
+        )
         for m, s in zip(models, (True, False), strict=True)
     ]
     for step in range(4):

@@ -206,10 +206,11 @@ def test_only_optimizers_known_to_be_elementwise(world: int) -> None:
     assert all(s == seen[0] for s in seen), seen
 
 
+@pytest.mark.parametrize("step_during_backward", [False, True], ids=["at_step", "during_backward"])
 @pytest.mark.parametrize("kind", ["adam", "sgd", "adagrad"])
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_dtypes_empty_frozen_and_added_parameters(world: int, kind: str) -> None:
-    dml.LocalBackend.spawn(world, special_parameters_body, kind, timeout=60)
+def test_dtypes_empty_frozen_and_added_parameters(world: int, kind: str, step_during_backward: bool) -> None:
+    dml.LocalBackend.spawn(world, special_parameters_body, kind, step_during_backward, timeout=60)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
