@@ -397,6 +397,18 @@ class DistributedOptimizer(DataParallelOptimizer):
                 "backward_passes_per_step=k), or call opt.zero_grad() between the backward passes"
             )
 
+    def _check_reduce_now(self, caller: str) -> None:
+        """Gradients that a backward reduced and a backward inside ``no_sync()`` then added to cannot be reduced
+        again with an op other than AVG (the first ones would count several times): raise, from ``step()`` and
+        ``synchronize()`` alike, with nothing reduced or stepped."""
+        if self._phase is Phase.MIXED and self._op is not ReduceOp.AVG:
+            self._end_step()
+            raise RuntimeError(
+                f"DistributedOptimizer.{caller}: gradients reduced by a backward() were then accumulated "
+                f"into inside no_sync(); with op={self._op!r} reducing them again would count the "
+                "first ones several times, so nothing was reduced or stepped. Run the reducing backward last"
+            )
+
     def _reduce_again(self, caller: str, stacklevel: int) -> bool:
         """After synchronize(): whether any rank ran backward() since, agreed by every rank.
 
@@ -454,13 +466,7 @@ class DistributedOptimizer(DataParallelOptimizer):
             if self._reduce_again("step()", 5):  # the warning names the caller of step()
                 self._reduce()
         elif not self._no_sync and self._unreduced():
-            if self._phase is Phase.MIXED and self._op is not ReduceOp.AVG:
-                self._end_step()
-                raise RuntimeError(
-                    f"DistributedOptimizer.step(): gradients reduced by a backward() were then accumulated "
-                    f"into inside no_sync(); with op={self._op!r} reducing them again would count the "
-                    "first ones several times, so nothing was stepped. Run the reducing backward last"
-                )
+            self._check_reduce_now("step()")
             self._reduce()
         self._end_step()
         return step_optimizer(self.optimizer)

@@ -220,6 +220,9 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _check_reducing_backward(self) -> None:
         """Raise if this backward may not reduce (the default lets it)."""
 
+    def _check_reduce_now(self, caller: str) -> None:
+        """Raise if the gradients may not be reduced now, by ``step()`` or ``synchronize()`` (the default lets them)."""
+
     # -- the step's state ------------------------------------------------------------------
 
     def _advance(self, event: str) -> None:
@@ -379,6 +382,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         elif not self._unreduced():
             self._advance("synchronize")
             return
+        self._check_reduce_now("synchronize()")
         self._reduce()
         self._advance("synchronize")
 

@@ -250,3 +250,41 @@ def test_optimizer_job_under_mpiexec(ranks: int) -> None:
     checks = "late_backward config sparse closure"
     assert f"OPTIMIZER CHECKS PASSED: {checks} on {ranks} ranks" in job.output, job.output[-8000:]
     assert_checks_passed(job, checks.split(), ranks)
+
+
+@pytest.mark.parametrize("how", ["no_sync", "backward_passes_per_step"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_sum_of_reduced_and_then_accumulated_gradients_is_refused_by_synchronize_too(world: int, how: str) -> None:
+    """op=SUM, a reducing backward, then one that only accumulates: step() and synchronize() both refuse to reduce
+    again (it would count the first gradients W times), on every rank; AVG reduces the sum exactly."""
+
+    def run(b: dml.Backend, op: Any, via: str) -> list[float] | str:
+        w = torch.nn.Parameter(torch.zeros(3))
+        opt = dml.DistributedOptimizer(
+            b, torch.optim.SGD([w], lr=1.0), op=op, backward_passes_per_step=2 if how != "no_sync" else 1
+        )
+        r = dml.local_rank(b) + 1
+        if how != "no_sync":
+            (w * r).sum().backward()  # only accumulates: the first of two passes
+        (w * r).sum().backward()  # reduces
+        if how == "no_sync":
+            with opt.no_sync():
+                (w * 10 * r).sum().backward()
+        else:
+            (w * 10 * r).sum().backward()  # the first pass of the next step: accumulates
+        try:
+            if via == "synchronize":
+                opt.synchronize()
+            opt.step()
+        except RuntimeError as e:
+            return str(e)
+        return w.detach().tolist()
+
+    ranks = sum(range(1, world + 1))
+    for via in ("step", "synchronize"):
+        out = dml.LocalBackend.spawn(world, run, dml.SUM, via, timeout=30)
+        assert all(isinstance(o, str) and "accumulated into inside no_sync()" in o for o in out), (via, out)
+        assert all(f"DistributedOptimizer.{via}()" in o for o in out), (via, out)
+        avg = dml.LocalBackend.spawn(world, run, dml.AVG, via, timeout=30)
+        first = 2 * ranks / world if how != "no_sync" else ranks / world  # the reduced backward(s)' average
+        assert avg == [[-(first + 10 * ranks / world)] * 3] * world, (via, avg)
