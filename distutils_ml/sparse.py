@@ -156,10 +156,15 @@ def sparse_allreduce(backend: Backend, tensor: torch.Tensor, op: Any = ReduceOp.
     call = f"shape {shape}, dtype {torch_dtype_name(local)}, sparse_dim {sparse_dim}, on {device.type}, op {op!r}"
     index_width = 8 * sparse_dim
     width = index_width + values.element_size() * math.prod(values.shape[1:])
-    with exclusive(backend, "sparse_allreduce"):
-        header = np.array([len(values), digest(call)], dtype=np.int64)
+    from distutils_ml.uneven import joined_ranks_send_zeros  # here: uneven imports the optimizer, which imports this
+
+    # Inside dml.join a rank that has joined sends zeros in both allgathers: no entries (a count of 0), and its
+    # header no digest (0, which no rank's digest is).
+    with exclusive(backend, "sparse_allreduce"), joined_ranks_send_zeros():
+        header = np.array([len(values), digest(call) or 1], dtype=np.int64)
         headers = allgather(backend, header, np.empty((backend.size, 2), dtype=np.int64))
-        if (headers[:, 1] != headers[0, 1]).any():
+        tags = headers[headers[:, 1] != 0, 1]
+        if (tags != tags[0]).any():
             raise _differ(allgather_object(backend, call))
         counts = headers[:, 0].tolist()
         most = max(counts)

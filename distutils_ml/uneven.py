@@ -9,7 +9,9 @@ has data and how many steps it took. A rank that has run out of batches leaves t
 - once a rank has joined, the lowest active rank announces each primitive of the iteration before it sends
   it (one small broadcast: kind, shapes, dtypes, op, root) and the joined ranks take part in it with a
   neutral contribution: zeros for a sum or an average (SyncBatchNorm's counts included, so its statistics
-  are over the ranks with data), the op's identity for MAX / MIN / PROD, nothing for a gather but zeros. A
+  are over the ranks with data), the op's identity for MAX / MIN / PROD; in a gather, the announcer's own buffer
+  (so that agreement checks pass as if the joined rank said the same) or, for data the library gathers (sparse
+  gradients, SyncBatchNorm's statistics: :func:`joined_ranks_send_zeros`), zeros. A
   broadcast or reduce rooted at a joined rank is rooted at the announcer instead (``broadcast_buffers``
   handles passed to ``join`` move their root likewise), so a joined rank never sends as root;
 - the optimizers' averaged gradients are divided by the number of ranks that had data, not the world size

@@ -112,3 +112,45 @@ def refusals_body(backend: dml.Backend) -> None:
     with pytest.raises(TypeError, match="backend"):
         dml.join(None, model)
     dml.barrier(backend)
+
+
+class _Tagged(torch.nn.Module):
+    """A sparse embedding of a tag drawn from each row, added to the row, then a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(6, 3, sparse=True, dtype=torch.float64)
+        self.lin = torch.nn.Linear(3, 1, dtype=torch.float64)
+        gen = torch.Generator().manual_seed(4)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tags = (x[:, 0].abs() * 10).long() % 6
+        return self.lin(x + self.emb(tags))
+
+
+def sparse_join_body(backend: dml.Backend, batches: tuple[int, ...], sparse_as_dense: bool) -> None:
+    """Sparse embedding gradients under dml.join: averaged over the ranks that have data at each iteration (a
+    joined rank contributes no entries), as one process with a dense embedding on their batches gives."""
+    rank = backend.rank
+    model = _Tagged()
+    opt = dml.DistributedOptimizer(
+        backend, torch.optim.SGD(model.parameters(), lr=0.1), sparse_as_dense=sparse_as_dense
+    )
+    with dml.join(backend, opt, model):
+        for t in range(batches[rank]):
+            opt.zero_grad()
+            model(_batch(rank, t)).pow(2).mean().backward()
+            opt.step()
+    want = _Tagged()
+    want.emb.sparse = False
+    ref = torch.optim.SGD(want.parameters(), lr=0.1)
+    for t in range(max(batches)):
+        have = [r for r, n in enumerate(batches) if n > t]
+        ref.zero_grad()
+        torch.stack([want(_batch(r, t)).pow(2).mean() for r in have]).mean().backward()
+        ref.step()
+    for (name, got), expected in zip(model.state_dict().items(), want.state_dict().values(), strict=True):
+        assert torch.allclose(got, expected, rtol=1e-10, atol=1e-12), (batches, name, got, expected)

@@ -73,3 +73,10 @@ def test_join_under_mpiexec(ranks: int, transport: str, debug: str) -> None:
     assert job.returncode == 0, job.output[-8000:]
     assert f"JOIN CHECKS PASSED: uneven refusals on {ranks} ranks" in job.output, job.output[-8000:]
     assert_checks_passed(job, ["uneven", "refusals"], ranks)
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True], ids=["sparse", "as_dense"])
+@pytest.mark.parametrize("batches", [(1, 2), (2, 0), (1, 1, 3), (0, 2, 1), (3, 1, 2, 0)])
+def test_sparse_gradients_average_over_the_ranks_with_data(batches: tuple[int, ...], sparse_as_dense: bool) -> None:
+    """A joined rank adds no entries to a sparse gradient (it used to send the announcer's: counted W times)."""
+    dml.LocalBackend.spawn(len(batches), join_bodies.sparse_join_body, batches, sparse_as_dense, timeout=60)
