@@ -22,8 +22,8 @@ import torch
 
 from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
 from distutils_ml.collectives import allgather, allreduce
+from distutils_ml.joined import joined_ranks_send_zeros
 from distutils_ml.objects import allgather_object
-from distutils_ml.uneven import joined_ranks_send_zeros
 
 __all__ = ["SyncBatchNorm", "allreduce_autograd", "convert_sync_batchnorm"]
 

@@ -36,12 +36,14 @@ import contextlib
 import functools
 import os
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from distutils_ml.backends.base import Backend, ReduceOp
 from distutils_ml.gloo import GlooTransport
@@ -86,6 +88,8 @@ NETWORK_BUCKET_BYTES = 4 << 20
 RING_DTYPES = (torch.float32, torch.float64)
 _COMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _STREAMS: dict[Any, Any] = {}
+#: Per parameter, the machine whose hooks it carries (a later one over it takes over: :meth:`BucketMachine._hook_on`).
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def check_bucket_bytes(bucket_bytes: Any) -> int:
@@ -387,6 +391,57 @@ class BucketMachine(abc.ABC):
 
     def _init_rounds(self) -> None:
         self._round: Round | None = None
+        #: what took over this machine's parameters (a later optimizer or reduction over some of them), or None
+        self.displaced_by: str | None = None
+        self._accumulators: list[Any] = []
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _take_over(self, params: list[torch.Tensor]) -> None:
+        """Make this machine the one that reduces ``params``' gradients: an earlier machine hooked on any of them
+        (an optimizer created again, for a new phase or after the model changed) is displaced first, all its hooks
+        removed (its reduction would run beside this one's: twice with SUM, or raise that the parameters changed)."""
+        for p in params:
+            ref = _OWNERS.get(p)
+            other = ref() if ref is not None else None
+            if other is not None and other is not self:
+                other._displace(self.caller)
+        for p in params:
+            _OWNERS[p] = weakref.ref(self)
+
+    def _displace(self, by: str) -> None:
+        """Another machine took over some of this one's parameters: remove every hook; later use raises."""
+        self._unhook()
+        self.displaced_by = by
+
+    def _unhook(self) -> None:  # noqa: B027 - optional: a machine that registers hooks removes them here
+        """Remove this machine's hooks."""
+
+    def _hook_on(self, params: list[torch.Tensor]) -> list[Any]:
+        """Hooks that run :meth:`_hook` once backward has accumulated a parameter's gradient (their handles).
+
+        The hook is a post-hook of the parameter's AccumulateGrad node, as DDP's and Horovod's are: it runs after
+        every hook on the tensor, a user's ``register_post_accumulate_grad_hook`` registered later included, so the
+        bucket goes with ``.grad`` as those hooks left it (a hook on the tensor itself ran before them, and with
+        ``overlap`` its bucket left before they changed it). The nodes are held (a leaf keeps its node only while
+        someone does). A node replaced since (``.data`` of another dtype or device makes a new one) fires no hook
+        of ours: a hook on the tensor then runs :meth:`_hook` instead, and the round sees the change."""
+        self._take_over(params)
+        self._accumulators = [torch.autograd.graph.get_gradient_edge(p).node for p in params]
+        handles = []
+        for p, node in zip(params, self._accumulators, strict=True):
+            handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._if_replaced, node)))
+            handles.append(node.register_hook(functools.partial(self._after_accumulate, p)))
+        return handles
+
+    def _after_accumulate(self, param: torch.Tensor, grad_inputs: Any, grad_outputs: Any) -> None:
+        """Post-hook of ``param``'s AccumulateGrad node."""
+        self._hook(param)
+
+    def _if_replaced(self, node: Any, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of ``param``: :meth:`_hook` if its AccumulateGrad node is no longer ``node``."""
+        if torch.autograd.graph.get_gradient_edge(param).node is not node:
+            self._hook(param)
 
     def _sited(self, job: Callable[[], None]) -> Callable[[], None]:
         """``job`` run inside :meth:`_site` (on the communication thread); ``job`` itself outside debug mode."""

@@ -397,6 +397,9 @@ class DistributedOptimizer(DataParallelOptimizer):
                 "backward_passes_per_step=k), or call opt.zero_grad() between the backward passes"
             )
 
+    def _displaced_by(self) -> str | None:
+        return self._reducer.displaced_by
+
     def _check_reduce_now(self, caller: str) -> None:
         """Gradients that a backward reduced and a backward inside ``no_sync()`` then added to cannot be reduced
         again with an op other than AVG (the first ones would count several times): raise, from ``step()`` and

@@ -220,6 +220,21 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _check_reducing_backward(self) -> None:
         """Raise if this backward may not reduce (the default lets it)."""
 
+    @abc.abstractmethod
+    def _displaced_by(self) -> str | None:
+        """What took over the reduction of this optimizer's parameters since it was created (None: nothing)."""
+
+    def _check_in_charge(self, caller: str) -> None:
+        """Raise if another optimizer (or reduction) created later over some of these parameters took them over:
+        its hooks replaced this one's, and stepping this one would step on gradients it no longer reduces."""
+        by = self._displaced_by()
+        if by is not None:
+            raise RuntimeError(
+                f"{self._form}.{caller}: a {by} created later over some of the same parameters took over their "
+                "gradient reduction (its hooks replaced this optimizer's, which no longer reduces anything). "
+                "Use the newer one, or create this one again to take them back"
+            )
+
     def _check_reduce_now(self, caller: str) -> None:
         """Raise if the gradients may not be reduced now, by ``step()`` or ``synchronize()`` (the default lets them)."""
 
@@ -376,6 +391,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         ``RuntimeError``. (With ``shard_state=True`` such a backward raises at once: see
         ``ShardedOptimizer``.)
         """
+        self._check_in_charge("synchronize()")
         if self._phase in (Phase.SYNCHRONIZED, Phase.LATE):
             if not self._reduce_again("synchronize()", 3):
                 return
@@ -401,6 +417,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Step the wrapped optimizer on the reduced gradients (between the step hooks)."""
+        self._check_in_charge("step()")
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
         try:

@@ -215,13 +215,17 @@ class GradientReducer(BucketMachine):
         for handle in self._hooks:
             handle.remove()
         params = self._params if self._plan_key is not None else self._params_of()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+        self._hooks = self._hook_on(params)
 
     def detach(self) -> None:
         """Stop reducing during backward (removes the hooks)."""
+        self._unhook()
+
+    def _unhook(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self._accumulators = []
 
     def _skip_this_backward(self) -> bool:
         return self.skip()

@@ -216,6 +216,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
     def _build(self, params: list[torch.Tensor]) -> None:
         """Flat buffers, buckets, this rank's pieces and the shard optimizer over them; hooks on ``params``."""
         self.wait_for_parameters()
+        self._take_over(params)  # an earlier optimizer over them stops first (its allgathers landed)
         layout = build_layout(params, self._bucket_members(params), self._backend.size, self._backend.rank)
         self._params = params
         self._names = self._labels()
@@ -231,10 +232,21 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         self._scatter_state()
         for handle in self._hooks:
             handle.remove()
-        # Held: a leaf keeps its AccumulateGrad node only while someone does, and the pre-hooks live on it.
-        self._accumulators = [torch.autograd.graph.get_gradient_edge(p).node for p in params]
-        self._hooks = [node.register_prehook(self._before_accumulate) for node in self._accumulators]
-        self._hooks += [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+        self._hooks = self._hook_on(params)  # holds each parameter's AccumulateGrad node, on which the pre-hooks live
+        self._hooks += [node.register_prehook(self._before_accumulate) for node in self._accumulators]
+
+    def _displaced_by(self) -> str | None:
+        return self.displaced_by
+
+    def _unhook(self) -> None:
+        self.wait_for_parameters()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._accumulators = []
+        if self._arrival_hook is not None:
+            self._arrival_hook.remove()
+            self._arrival_hook = None
 
     def _bucket_members(self, params: list[torch.Tensor]) -> list[tuple[tuple[torch.dtype, torch.device], list[int]]]:
         """Parameter indices per bucket, in the order buckets are sent (reverse parameter order)."""

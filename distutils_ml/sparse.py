@@ -20,6 +20,7 @@ import torch
 from distutils_ml.arrays import torch_dtype_name
 from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
 from distutils_ml.collectives import allgather
+from distutils_ml.joined import joined_ranks_send_zeros
 from distutils_ml.objects import allgather_object, digest, exclusive
 
 __all__ = ["sparse_allreduce"]
@@ -156,8 +157,6 @@ def sparse_allreduce(backend: Backend, tensor: torch.Tensor, op: Any = ReduceOp.
     call = f"shape {shape}, dtype {torch_dtype_name(local)}, sparse_dim {sparse_dim}, on {device.type}, op {op!r}"
     index_width = 8 * sparse_dim
     width = index_width + values.element_size() * math.prod(values.shape[1:])
-    from distutils_ml.uneven import joined_ranks_send_zeros  # here: uneven imports the optimizer, which imports this
-
     # Inside dml.join a rank that has joined sends zeros in both allgathers: no entries (a count of 0), and its
     # header no digest (0, which no rank's digest is).
     with exclusive(backend, "sparse_allreduce"), joined_ranks_send_zeros():

@@ -24,10 +24,8 @@ Without the context, a rank that runs out of data leaves the others waiting, and
 
 from __future__ import annotations
 
-import contextlib
 import pickle
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,28 +33,13 @@ import torch
 
 from distutils_ml.backends.base import Backend, ReduceOp, check_backend
 from distutils_ml.buffers import BufferBroadcast
+from distutils_ml.joined import joined_ranks_send_zeros, zeros_requested
 from distutils_ml.optimizer import DistributedOptimizer
 from distutils_ml.sharded import ShardedOptimizer
 from distutils_ml.synchronize import synchronize
 from distutils_ml.watchdog import call_site, site_as
 
 __all__ = ["Join", "join", "joined_ranks_send_zeros"]
-
-_LOCAL = threading.local()
-
-
-@contextlib.contextmanager
-def joined_ranks_send_zeros() -> Iterator[None]:
-    """Inside ``dml.join``: in the allgathers made in this block, ranks that have joined send zeros (data, such as
-    SyncBatchNorm's per-rank counts and moments) rather than the announcing rank's buffer (their default, which
-    makes agreement checks pass as if they said the same)."""
-    previous = getattr(_LOCAL, "zeros", False)
-    _LOCAL.zeros = True
-    try:
-        yield
-    finally:
-        _LOCAL.zeros = previous
-
 
 _END = "end of iteration"
 #: Where the root is among a primitive's arguments.
@@ -337,7 +320,7 @@ def _describe(name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
         return spec(send), op
     if name == "_allgather":  # the announcer's own buffer, unless the caller asked joined ranks for zeros
         send, recv = args
-        return spec(send), spec(recv), None if getattr(_LOCAL, "zeros", False) else send.tobytes()
+        return spec(send), spec(recv), None if zeros_requested() else send.tobytes()
     if name == "_bcast":
         buf, root = args
         return spec(buf), root

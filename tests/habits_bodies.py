@@ -9,6 +9,7 @@ simulated ranks share torch's global generator).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -340,3 +341,114 @@ def sparse_embedding_body(backend: dml.Backend, case: SparseCase) -> None:
         assert max(largest) >= ROWS * DIM // w, (case, largest)  # dense (the sharded form reduce-scatters it)
     for got, want in ((emb.weight, ref_emb.weight), (lin.weight, ref_lin.weight)):
         assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), (case, (got - want).abs().max())
+
+
+# -- a user's gradient hooks, and an optimizer created again over the same parameters -------------------------
+
+HOOK_WAYS = ("optimizer", "optimizer_sdb", "sharded", "sharded_sdb", "reduce_in_backward")
+#: (the first reduction, the one created after it) over the same parameters
+AGAIN = (
+    ("optimizer", "optimizer"),
+    ("sharded", "optimizer"),
+    ("optimizer", "sharded_sdb"),
+    ("reduce_in_backward", "optimizer"),
+    ("optimizer", "reduce_in_backward"),
+)
+
+
+def _reduction(backend: dml.Backend, model: torch.nn.Module, way: str, overlap: bool, op: Any = dml.AVG) -> Any:
+    """The way's reduction over ``model``: an optimizer (stepping or not during backward, sharded or not), or
+    reduce_gradients_in_backward's handle."""
+    if way == "reduce_in_backward":
+        return dml.reduce_gradients_in_backward(backend, model, op, overlap=overlap)
+    inner = torch.optim.SGD(model.parameters(), lr=0.5)
+    return dml.DistributedOptimizer(
+        backend,
+        inner,
+        op=op,
+        overlap=overlap,
+        shard_state=way.startswith("sharded"),
+        step_during_backward=way.endswith("_sdb"),
+    )
+
+
+def _hooked_model(seed: int) -> torch.nn.Sequential:
+    """A 512 KiB weight (a bucket of its own at the default sizes) between two small layers."""
+    return _init(torch.nn.Sequential(torch.nn.Linear(3, 256), torch.nn.Tanh(), torch.nn.Linear(256, 512)), seed)
+
+
+def user_hook_body(backend: dml.Backend, way: str, overlap: bool, replace: bool) -> None:
+    """A post-accumulate-grad hook the user registers after the reduction (doubling ``.grad`` in place, or
+    replacing it) runs before the reduction, as under DDP: the reduced gradient is the average of the doubled
+    ones, on every rank (with overlap the hook used to run after its bucket had gone: lost, or racing it, and a
+    replaced gradient was left unreduced, the replicas diverging)."""
+    rank, size = backend.rank, backend.size
+    model = _hooked_model(5)
+    reduction = _reduction(backend, model, way, overlap)
+
+    def double(p: torch.Tensor) -> None:
+        if replace:
+            p.grad = p.grad * 2
+        else:
+            p.grad.mul_(2)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(double)
+    ref = _hooked_model(5)
+    before = [p.detach().clone() for p in model.parameters()]
+    for r in range(size):
+        (ref(torch.full((2, 3), float(r + 1))).pow(2).mean() * 2 / size).backward()
+    model(torch.full((2, 3), float(rank + 1))).pow(2).mean().backward()
+    if way == "reduce_in_backward":
+        got = [p.grad for p in model.parameters()]
+        reduction.remove()
+    else:
+        reduction.step()
+        got = [(b - p.detach()) / 0.5 for b, p in zip(before, model.parameters(), strict=True)]
+    for g, p in zip(got, ref.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
+    every = dml.allgather_object(backend, _flat(model))
+    assert all(torch.equal(e, every[0]) for e in every), "replicas differ"
+
+
+def created_again_body(backend: dml.Backend, first: str, second: str, op: str) -> None:
+    """A second reduction over the same parameters (a new phase; or after freezing one, as the "parameters
+    changed" error advises) takes them over: the first one's hooks are removed, the gradients are reduced once
+    (SUM: not twice), the new one trains as one process would, and the first one's step() raises."""
+    rank, size = backend.rank, backend.size
+    reduce_op = dml.SUM if op == "sum" else dml.AVG
+    model = _hooked_model(7)
+    old = _reduction(backend, model, first, overlap=True, op=reduce_op)
+    model(torch.full((2, 3), float(rank + 1))).pow(2).mean().backward()
+    if first == "reduce_in_backward":
+        for p in model.parameters():
+            p.grad = None
+    else:
+        old.step()
+        old.zero_grad()
+    model[0].bias.requires_grad_(False)  # changed on every rank: the first reduction would refuse it
+    new = _reduction(backend, model, second, overlap=True, op=reduce_op)
+    start = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    ref = _hooked_model(7)  # from where the second reduction starts (stepping during backward moves the model)
+    with torch.no_grad():
+        for q, p in zip(ref.parameters(), model.parameters(), strict=True):
+            q.copy_(p)
+    ref[0].bias.requires_grad_(False)
+    model(torch.full((2, 3), float(rank + 1))).pow(2).mean().backward()
+    for r in range(size):
+        loss = ref(torch.full((2, 3), float(r + 1))).pow(2).mean()
+        (loss if op == "sum" else loss / size).backward()
+    if second == "reduce_in_backward":
+        got = [p.grad for p in model.parameters() if p.requires_grad]
+    else:
+        new.step()
+        got = [
+            (b - p.detach()) / 0.5
+            for b, p in zip(start, (p for p in model.parameters() if p.requires_grad), strict=True)
+        ]
+    want = [p.grad for p in ref.parameters() if p.requires_grad]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    if first != "reduce_in_backward":
+        with pytest.raises(RuntimeError, match="took over their gradient reduction"):
+            old.step()

@@ -31,6 +31,17 @@ def main(names: list[str]) -> None:
         "sparse": lambda: hypothesis_check(
             world, habits_bodies.sparse_embedding_body, habits_bodies.sparse_cases(), 10
         ),
+        "hooks": lambda: [
+            guarded(habits_bodies.user_hook_body, world, way, o, r)
+            for way in habits_bodies.HOOK_WAYS
+            for o in (False, True)
+            for r in (False, True)
+        ],
+        "again": lambda: [
+            guarded(habits_bodies.created_again_body, world, first, second, op)
+            for first, second in habits_bodies.AGAIN
+            for op in ("avg", "sum")
+        ],
         "checkpoint": lambda: hypothesis_check(
             world, habits_bodies.checkpoint_body, habits_bodies.checkpoint_cases(), 16
         ),

@@ -110,6 +110,20 @@ def test_a_second_backward_after_an_interrupted_one_is_still_refused() -> None:
     assert dml.LocalBackend.spawn(2, body, timeout=60) == ["ok", "ok"]
 
 
+@pytest.mark.parametrize("replace", [False, True], ids=["in_place", "replaced"])
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("way", habits_bodies.HOOK_WAYS)
+def test_a_users_gradient_hook_runs_before_the_reduction(way: str, overlap: bool, replace: bool) -> None:
+    dml.LocalBackend.spawn(2, habits_bodies.user_hook_body, way, overlap, replace, timeout=60)
+
+
+@pytest.mark.parametrize("op", ["avg", "sum"])
+@pytest.mark.parametrize(("first", "second"), habits_bodies.AGAIN)
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_reduction_created_again_takes_the_parameters_over(world: int, first: str, second: str, op: str) -> None:
+    dml.LocalBackend.spawn(world, habits_bodies.created_again_body, first, second, op, timeout=60)
+
+
 HABITS_JOB = shared.register("habits", "habits_job", timeout=400)
 
 

@@ -35,6 +35,7 @@ LAYER = {
     "distutils_ml.objects": "collectives",
     "distutils_ml.printing": "collectives",
     "distutils_ml.sparse": "collectives",
+    "distutils_ml.joined": "collectives",
     # state: root's state in every replica
     "distutils_ml.tree": "state",
     "distutils_ml.agreement": "state",

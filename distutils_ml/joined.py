@@ -1,0 +1,36 @@
+"""What a rank that has joined (``dml.join``) sends in an allgather made in a block: zeros, or the announcer's buffer.
+
+By default a joined rank answers an allgather with the announcing rank's own buffer, so that the agreement checks
+built on allgathers pass as if it said the same. Where an allgather carries data (SyncBatchNorm's per-rank counts
+and moments, sparse gradients' entries), the caller asks for zeros with :func:`joined_ranks_send_zeros`: the
+joined rank then contributes nothing. Kept apart from :mod:`distutils_ml.uneven` so that the collectives that ask
+for zeros need not import the training layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+__all__ = ["joined_ranks_send_zeros", "zeros_requested"]
+
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def joined_ranks_send_zeros() -> Iterator[None]:
+    """Inside ``dml.join``: in the allgathers made in this block, ranks that have joined send zeros (data, such as
+    SyncBatchNorm's per-rank counts and moments) rather than the announcing rank's buffer (their default, which
+    makes agreement checks pass as if they said the same)."""
+    previous = getattr(_LOCAL, "zeros", False)
+    _LOCAL.zeros = True
+    try:
+        yield
+    finally:
+        _LOCAL.zeros = previous
+
+
+def zeros_requested() -> bool:
+    """Whether this thread is inside :func:`joined_ranks_send_zeros`."""
+    return bool(getattr(_LOCAL, "zeros", False))
