@@ -252,8 +252,18 @@ class GradientReducer(BucketMachine):
         with torch.no_grad():  # a gradient of backward(create_graph=True) has history: the reduction reads its values
             return self._fill_bucket(state, k)
 
+    def _unplanned(self, i: int, g: torch.Tensor | None) -> bool:
+        """Whether parameter ``i`` (or its gradient ``g``) no longer has the shape, dtype or device of the plan (its
+        ``.data`` replaced since): the round, whose header says the parameters changed, then sends zeros for it."""
+        assert self._plan_key is not None
+        _, dtype, shape, device = self._plan_key[i]
+        p = self._params[i]
+        return any(t is not None and (t.shape != shape or t.dtype != dtype or t.device != device) for t in (p, g))
+
     def _fill_bucket(self, state: Round, k: int) -> torch.Tensor:
         bucket = self._buckets[k]
+        if state.changed and any(self._unplanned(i, self._params[i].grad) for i in bucket.params):
+            return self._fill_planned_zeros(state, bucket)
         if bucket.direct:
             i = bucket.params[0]
             p = self._params[i]
@@ -292,6 +302,21 @@ class GradientReducer(BucketMachine):
             assert bucket.flat is not None
             tensor = bucket.flat
         return tensor
+
+    def _fill_planned_zeros(self, state: Round, bucket: _Bucket) -> torch.Tensor:
+        """A bucket holding a parameter whose shape, dtype or device changed since the plan: zeros as the plan laid
+        it out, so that every rank makes the same collective (the round then raises on every rank)."""
+        for i in bucket.params:
+            state.has[i] = False
+        if bucket.direct:
+            assert self._plan_key is not None
+            _, dtype, shape, device = self._plan_key[bucket.params[0]]
+            return torch.zeros(shape, dtype=dtype, device=device)
+        assert bucket.flat is not None
+        bucket.flat[bucket.head :].zero_()
+        if bucket.head:
+            self._write_head(state, bucket)
+        return bucket.flat
 
     def _landed(self, state: Round, k: int) -> None:
         """During a backward, with ``step_bucket``: step bucket ``k``'s parameters when their reduced gradients are
@@ -408,6 +433,14 @@ class GradientReducer(BucketMachine):
         assert head_bucket.flat is not None
         n, nb = len(self._params), len(self._buckets)
         head = head_bucket.flat[: head_bucket.head].double().cpu().numpy()
+        if head[n] > 0:  # before any gradient is put back: a changed parameter may no longer fit its slot
+            raise RuntimeError(
+                f"{self.caller}: the parameters changed after the reduction plan was built (a parameter was "
+                "added, removed, replaced, had requires_grad switched or its .data replaced by one of another shape, "
+                "dtype or device) on at least one rank; this backward's gradients were not reduced. Create the "
+                "wrapper again after changing the model (for DistributedOptimizer, add parameters with its "
+                "add_param_group), on every rank"
+            )
         somebody = head[:n] > 0
         if self.scale != 1.0:
             self._rescale(state)
@@ -430,13 +463,6 @@ class GradientReducer(BucketMachine):
                     p.grad = p.grad.detach().to_sparse(sparse_dim=1)
                 self._sparse_ids.add(id(p))
             self._plan_key = None
-        if head[n] > 0:
-            raise RuntimeError(
-                f"{self.caller}: the parameters changed after the reduction plan was built (a parameter was "
-                "added, removed, replaced or had requires_grad switched) on at least one rank; this backward "
-                "reduced the old parameters only. Create the wrapper again after changing the model (for "
-                "DistributedOptimizer, add parameters with its add_param_group), on every rank"
-            )
         if state.task >= 0:
             self._check_order(backend, head[2 * n + 1 :].reshape(nb, 3))
 

@@ -371,8 +371,8 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         if i is None or self._params[i] is not param:
             return
         view, g = self._views[i], param.grad
-        if view is None or g is None or _is_view(g, view):
-            return
+        if view is None or g is None or _is_view(g, view) or not _fits(param, view) or not _fits(g, view):
+            return  # (a parameter whose .data was replaced since the layout was built: the round raises)
         if g.requires_grad:
             self._reset_round()
             raise RuntimeError(
@@ -483,7 +483,10 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
                 p, view = self._params[i], self._views[i]
                 assert view is not None
                 state.has[i] = p.grad is not None
-                if p.grad is None:  # zeros here (the header says whether any rank had a gradient)
+                if not _fits(p, view) or (p.grad is not None and not _fits(p.grad, view)):
+                    state.has[i] = False  # .data replaced since the layout was built: zeros, and the round raises
+                    view.zero_()
+                elif p.grad is None:  # zeros here (the header says whether any rank had a gradient)
                     view.zero_()
                     p.grad = view
                 else:
@@ -1001,6 +1004,11 @@ def _await_hook(ref: weakref.ref[ShardedOptimizer]) -> Callable[[torch.nn.Module
             opt._await(module.parameters(recurse=False))
 
     return hook
+
+
+def _fits(t: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether ``t`` (a parameter or its gradient) has ``view``'s shape, dtype and device: its place in the layout."""
+    return t.shape == view.shape and t.dtype == view.dtype and t.device == view.device
 
 
 def _is_view(grad: torch.Tensor, view: torch.Tensor) -> bool:

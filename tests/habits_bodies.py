@@ -452,3 +452,35 @@ def created_again_body(backend: dml.Backend, first: str, second: str, op: str) -
     if first != "reduce_in_backward":
         with pytest.raises(RuntimeError, match="took over their gradient reduction"):
             old.step()
+
+
+def changed_data_body(backend: dml.Backend, way: str, overlap: bool, how: str, only_rank_0: bool) -> None:
+    """A parameter's ``.data`` replaced after the first backward by one of another shape (an output layer grown in
+    place) or dtype (``model.double()``), on every rank or on rank 0 only: the next backward raises the documented
+    "parameters changed" error on every rank (not torch's error about a gradient that does not fit its bucket);
+    an optimizer created again then trains the changed model."""
+    rank = backend.rank
+    model = _init(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)), 3)
+    reduction = _reduction(backend, model, way, overlap)
+    model(torch.ones(2, 4)).sum().backward()
+    reduction.step()
+    reduction.zero_grad()
+    dtype = torch.float32
+    if not only_rank_0 or rank == 0:
+        if how == "shape":
+            model[2].weight.data = torch.zeros(2, 8)
+            model[2].bias.data = torch.zeros(2)
+        else:
+            model.double()
+            dtype = torch.float64
+    with pytest.raises(RuntimeError, match="the parameters changed after the"):
+        model(torch.ones(2, 4, dtype=dtype)).sum().backward()
+    if only_rank_0:
+        return
+    model.zero_grad()
+    again = _reduction(backend, model, way, overlap)
+    start = _flat(model).clone()
+    model(torch.full((2, 4), float(rank + 1), dtype=dtype)).sum().backward()
+    again.step()
+    moved = dml.allgather_object(backend, _flat(model) - start)
+    assert all(torch.equal(m, moved[0]) for m in moved) and bool(moved[0].abs().sum() > 0), moved

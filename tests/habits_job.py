@@ -42,6 +42,13 @@ def main(names: list[str]) -> None:
             for first, second in habits_bodies.AGAIN
             for op in ("avg", "sum")
         ],
+        "changed": lambda: [
+            guarded(habits_bodies.changed_data_body, world, way, o, how, only)
+            for way in ("optimizer", "sharded", "sharded_sdb")
+            for o in (False, True)
+            for how in ("shape", "dtype")
+            for only in (False, True)
+        ],
         "checkpoint": lambda: hypothesis_check(
             world, habits_bodies.checkpoint_body, habits_bodies.checkpoint_cases(), 16
         ),

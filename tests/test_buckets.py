@@ -124,6 +124,16 @@ def test_a_reduction_created_again_takes_the_parameters_over(world: int, first: 
     dml.LocalBackend.spawn(world, habits_bodies.created_again_body, first, second, op, timeout=60)
 
 
+@pytest.mark.parametrize("only_rank_0", [False, True], ids=["everywhere", "on_rank_0"])
+@pytest.mark.parametrize("how", ["shape", "dtype"])
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("way", ["optimizer", "sharded", "sharded_sdb"])
+def test_data_replaced_by_another_shape_or_dtype_raises_the_documented_error(
+    way: str, overlap: bool, how: str, only_rank_0: bool
+) -> None:
+    dml.LocalBackend.spawn(2, habits_bodies.changed_data_body, way, overlap, how, only_rank_0, timeout=60)
+
+
 HABITS_JOB = shared.register("habits", "habits_job", timeout=400)
 
 
