@@ -180,6 +180,12 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         for p in params:
             if p.layout != torch.strided:
                 raise TypeError("DistributedOptimizer: sparse parameters are not supported; use dense tensors")
+            if not p.dtype.is_floating_point:  # complex included: its flat buffers and collectives are real
+                raise TypeError(
+                    f"DistributedOptimizer(shard_state=True): a parameter of dtype {p.dtype} (shape "
+                    f"{list(p.shape)}); gradients must be real floating point (for complex parameters, keep "
+                    "torch.view_as_real(p) as the parameter)"
+                )
         self._overlap = default_overlap(backend) if overlap is None else bool(overlap)
         self._stale = False  # the gradient buffers hold a reduction: zero_grad() comes before the next backward
         self._init_rounds()

@@ -707,6 +707,8 @@ def bad_input_body(backend: dml.Backend, culprit: int) -> int:
     ]
     if hasattr(torch.optim, "Adafactor"):
         bad.append((lambda: torch.optim.Adafactor(model.parameters()), TypeError, "Adafactor"))
+    complex_param = torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+    bad.append((lambda: torch.optim.SGD([complex_param], lr=0.1), TypeError, "dtype torch.complex64 (shape [3])"))
     for make, error, fragment in bad:
         if rank == culprit:
             try:
