@@ -386,30 +386,67 @@ def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Nested:
+    """Root's state entry that is a list, tuple or dict (LBFGS keeps lists of tensors): the spec of each item."""
+
+    kind: type
+    items: tuple[Any, ...] | dict[Any, Any]
+
+
+def _entry_spec(v: Any, p: torch.Tensor) -> Any:
+    """A state entry's spec: a tensor as (shape, dtype, where), a plain list / tuple / dict as :class:`_Nested`,
+    anything else as None (a plain value, replaced by root's)."""
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), v.dtype, "param" if v.device == p.device else v.device.type)
+    if type(v) in (list, tuple):
+        return _Nested(type(v), tuple(_entry_spec(x, p) for x in v))
+    if type(v) is dict:
+        return _Nested(dict, {k: _entry_spec(x, p) for k, x in v.items()})
+    return None
+
+
 def state_skeleton(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Root's state entries per parameter: tensors as (shape, dtype, where), plain values as None.
+    """Root's state entries per parameter: tensors as (shape, dtype, where), plain lists, tuples and dicts of them
+    as their items' specs, plain values as None.
 
     ``where`` is "param" for an entry on its parameter's device (so each rank uses its
     own parameter's device, e.g. its own GPU), else the device type ("cpu" for Adam's
     ``step`` next to a CUDA parameter).
     """
-    return [
-        {
-            k: (tuple(v.shape), v.dtype, "param" if v.device == p.device else v.device.type)
-            if isinstance(v, torch.Tensor)
-            else None
-            for k, v in opt.state.get(p, {}).items()
-        }
-        for p in _params(opt)
-    ]
+    return [{k: _entry_spec(v, p) for k, v in opt.state.get(p, {}).items()} for p in _params(opt)]
+
+
+def _matching(spec: Any, have: Any, p: torch.Tensor) -> Any:
+    """This rank's value for root's entry ``spec``: its own tensor where it fits, else a new one; containers
+    rebuilt item by item; a placeholder (None) for a plain value."""
+    if spec is None:
+        return None
+    if isinstance(spec, _Nested):
+        if spec.kind is dict:
+            assert isinstance(spec.items, dict)
+            mine = have if type(have) is dict else {}
+            return {k: _matching(s, mine.get(k), p) for k, s in spec.items.items()}
+        assert isinstance(spec.items, tuple)
+        fits = type(have) is spec.kind and len(have) == len(spec.items)
+        return spec.kind(_matching(s, have[i] if fits else None, p) for i, s in enumerate(spec.items))
+    shape, dtype, where = spec
+    device = p.device if where == "param" else torch.device(where)
+    fits = (
+        isinstance(have, torch.Tensor)
+        and tuple(have.shape) == shape
+        and have.dtype == dtype
+        and have.device.type == device.type
+    )
+    return have if fits else torch.empty(shape, dtype=dtype, device=device)
 
 
 def match_state(opt: torch.optim.Optimizer, skeleton: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     """Per-parameter state holding root's set of entries (torch creates state lazily, at the first step).
 
     Entries that root has and this rank lacks (or holds with another shape, dtype or
-    device) are created, to be filled by the data broadcast; plain values are
-    placeholders replaced by root's; entries root lacks are dropped. Nothing is
+    device) are created, to be filled by the data broadcast, inside lists, tuples and dicts too;
+    plain values are placeholders replaced by root's; entries root lacks are dropped. Nothing is
     installed here.
 
     Raises:
@@ -418,23 +455,7 @@ def match_state(opt: torch.optim.Optimizer, skeleton: list[dict[str, Any]], name
     params = _params(opt)
     if len(skeleton) != len(params):
         raise Mismatch(f"{name} has {len(params)} parameters, root's has {len(skeleton)}")
-    states = []
-    for p, entries in zip(params, skeleton, strict=True):
-        mine = opt.state.get(p, {})
-        new = {}
-        for k, spec in entries.items():
-            have = mine.get(k)
-            if spec is None:
-                new[k] = None
-                continue
-            shape, dtype, where = spec
-            device = p.device if where == "param" else torch.device(where)
-            fits = (
-                isinstance(have, torch.Tensor)
-                and tuple(have.shape) == shape
-                and have.dtype == dtype
-                and have.device.type == device.type
-            )
-            new[k] = have if fits else torch.empty(shape, dtype=dtype, device=device)
-        states.append(new)
-    return states
+    return [
+        {k: _matching(spec, opt.state.get(p, {}).get(k), p) for k, spec in entries.items()}
+        for p, entries in zip(params, skeleton, strict=True)
+    ]

@@ -302,6 +302,48 @@ def test_created_state_uses_roots_device_not_the_parameters() -> None:
     assert not mine.state, "nothing is installed before every rank agrees"
 
 
+@pytest.mark.parametrize("steps", [(2, 0), (3, 1), (1, 3)], ids=["rank_without_state", "fewer", "more"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_lbfgs_state_with_lists_of_tensors_is_roots(world: int, steps: tuple[int, int]) -> None:
+    """LBFGS keeps lists of tensors (its history) in its state: a rank without state, or with a history of another
+    length, takes root's (it raised that the structures differ), and every rank then steps as root does."""
+
+    def fn(b: dml.Backend) -> list[float]:
+        model = torch.nn.Linear(3, 1)
+        with torch.no_grad():
+            model.weight.copy_(torch.tensor([[0.5, -0.25, 1.0]]))
+            model.bias.fill_(0.1)
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4, history_size=3)
+        x = torch.linspace(-1, 1, 24).reshape(8, 3)
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = (model(x) - 1).pow(2).sum()
+            loss.backward()
+            return loss
+
+        for _ in range(steps[0] if b.rank == 0 else steps[1]):
+            opt.step(closure)
+        dml.synchronize(b, model)
+        dml.synchronize(b, opt)
+        state = opt.state[model.weight]
+        every = dml.allgather_object(b, {k: v for k, v in state.items() if k != "al"})  # al: scratch, root's too
+        assert len(every[0]["old_dirs"]) >= 1, "root's history holds tensors"
+        for other in every[1:]:
+            assert other.keys() == every[0].keys()
+            for k, v in other.items():
+                ref = every[0][k]
+                if isinstance(v, list):
+                    assert len(v) == len(ref) and all(torch.equal(a, c) for a, c in zip(v, ref, strict=True)), k
+                else:
+                    assert torch.equal(v, ref) if isinstance(v, torch.Tensor) else v == ref, k
+        opt.step(closure)
+        return [*model.weight.detach().reshape(-1).tolist(), *model.bias.detach().tolist()]
+
+    out = dml.LocalBackend.spawn(world, fn, timeout=60)
+    assert all(o == out[0] for o in out), out
+
+
 # -- property: any two structures either round-trip or raise everywhere -----------------
 
 
