@@ -28,6 +28,12 @@ from distutils_ml.objects import allgather_object
 __all__ = ["SyncBatchNorm", "allreduce_autograd", "convert_sync_batchnorm"]
 
 
+#: The numbers before a rank's statistics in the allgathered table: its count, a failure flag, their dtype (1 float32,
+#: 2 float64; 0 from a rank that has joined, dml.join).
+_HEAD = 3
+_HALVES = (torch.float16, torch.bfloat16)
+
+
 class _AllReduce(torch.autograd.Function):
     """``allreduce`` of a copy of the input; its backward is the same reduction of the gradient."""
 
@@ -98,10 +104,10 @@ class _GlobalMoments(torch.autograd.Function):
     def forward(  # noqa: PLR0917 - private; autograd passes the inputs positionally
         ctx: Any, mean: torch.Tensor, var: torch.Tensor, table: torch.Tensor, count: int, total: int, backend: Backend
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # table: every rank's row [count, failure flag, mean, variance], the same on every rank (this rank's row
-        # holds mean and var). Only the table enters the result, so every rank computes the same bits.
+        # table: every rank's row [count, failure flag, float64?, mean, variance], the same on every rank (this
+        # rank's row holds mean and var). Only the table enters the result, so every rank computes the same bits.
         c = mean.numel()
-        counts, means, variances = table[:, :1], table[:, 2 : 2 + c], table[:, 2 + c :]
+        counts, means, variances = table[:, :1], table[:, _HEAD : _HEAD + c], table[:, _HEAD + c :]
         glob = (counts * means).sum(0) / total
         glob_var = (counts * (variances + (means - glob) ** 2)).sum(0) / total
         ctx.save_for_backward(mean, glob)
@@ -125,8 +131,8 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     In training (and whenever running statistics are not tracked), the mean and
     variance per channel are those of the global batch: the concatenation of every
     rank's input along dimension 0. Each forward makes one allgather of
-    ``2 * num_features + 2`` numbers per rank (the rank's element count, a failure flag,
-    its per-channel means and variances, which every rank combines with Chan et al.'s
+    ``2 * num_features + 3`` float64 numbers per rank (the rank's element count, a failure flag,
+    the statistics' dtype, its per-channel means and variances, which every rank combines with Chan et al.'s
     parallel formula: accurate for channel means far from zero too), and its backward
     pass one allreduce of ``2 * num_features``; the ranks may hold batches of different
     sizes, 0 included. ``running_mean``, ``running_var`` and
@@ -139,7 +145,9 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     through its output, in the same order (they are collectives). Inputs of
     ``(N, C)``, ``(N, C, L)``, ``(N, C, H, W)`` or ``(N, C, D, H, W)``; statistics are
     computed in float32 at least (float64 inputs in float64), the output has the
-    input's dtype. A bad input on one rank (dimensions, channels, dtype, device) makes
+    input's dtype. As ``torch.nn.BatchNorm``, a layer with parameters or buffers takes inputs of their
+    dtype, or float16 / bfloat16 inputs with float32 ones (a layer with neither takes any floating
+    dtype, the same on every rank). A bad input on one rank (dimensions, channels, dtype, device) makes
     every rank raise, with the running statistics unchanged.
 
     Prefer :func:`convert_sync_batchnorm` to convert an existing model. A model holding
@@ -211,12 +219,15 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
                 var, mean = torch.var_mean(work, dims, correction=0)
             else:  # zeros in the graph, so that this rank takes part in the backward's collective too
                 var = mean = work.sum(dims)
-            row = torch.cat([work.new_tensor([count, 0]), mean.detach(), var.detach()])
+            # float64 on every rank (exact for float32 statistics), the statistics' dtype in the header
+            wide = work.double() if work.dtype != torch.float64 else work
+            head = [count, 0, 2.0 if work.dtype == torch.float64 else 1.0]  # 0: a joined rank's zeros (dml.join)
+            row = torch.cat([wide.new_tensor(head), mean.detach().double(), var.detach().double()])
         else:  # a raised flag: every rank learns that some rank failed, and raises
-            device, dtype = self._reference()
+            device, _ = self._reference()
             if device is None:  # no parameters nor buffers: where the other ranks' (valid) inputs are
                 device = self._backend_device() or (x.device if isinstance(x, torch.Tensor) else torch.device("cpu"))
-            row = torch.zeros(2 * c + 2, device=device, dtype=dtype)
+            row = torch.zeros(2 * c + _HEAD, device=device, dtype=torch.float64)
             row[1] = 1
         # A backend that stages device buffers through the host gets host tensors here, so that the backward's
         # collective runs on the thread that called backward() (as allreduce_autograd does).
@@ -224,11 +235,18 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         if staged:
             row = row.cpu()
         with joined_ranks_send_zeros():  # dml.join: a rank without data contributes a count of zero
-            table = allgather(self.backend, row, row.new_empty(self.backend.size, 2 * c + 2))
-        head = table[:, :2].tolist()
-        n = sum(int(k) for k, _ in head)
-        if any(flag for _, flag in head):
+            table = allgather(self.backend, row, row.new_empty(self.backend.size, 2 * c + _HEAD))
+        head = table[:, :_HEAD].tolist()
+        n = sum(int(k) for k, _, _ in head)
+        if any(flag for _, flag, _ in head):
             _raise_on_every_rank(self.backend, failure)
+        if len({wide for _, _, wide in head if wide}) > 1:  # a layer without parameters or buffers takes any dtype
+            kinds = ", ".join(f"rank {r}: {'float64' if w > 1 else 'float32'}" for r, (_, _, w) in enumerate(head) if w)
+            raise TypeError(
+                f"SyncBatchNorm: the ranks' inputs give statistics of different dtypes ({kinds}); every rank must "
+                "pass inputs of the same dtype (float64, or float32 / float16 / bfloat16)"
+            )
+        table = table.to(work.dtype)
 
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
@@ -264,6 +282,13 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
                 f"input of shape {list(x.shape)} has {x.shape[1]} channels (dimension 1); "
                 f"this SyncBatchNorm has num_features={self.num_features}"
             )
+        held = self._held_dtype()
+        if held is not None and x.dtype != held and not (held == torch.float32 and x.dtype in _HALVES):
+            return TypeError(
+                f"input: dtype {x.dtype}; this SyncBatchNorm's parameters and buffers are {held} (as "
+                "torch.nn.BatchNorm, it takes inputs of their dtype, or float16 / bfloat16 inputs with float32 "
+                "parameters)"
+            )
         if self.training and self.eps <= 0:
             return ValueError(f"batch_norm eps must be positive during training, but got {self.eps}")
         device, _ = self._reference()
@@ -272,6 +297,13 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         gpu = self._backend_device() if device is None else None
         if gpu is not None and x.device != gpu:  # every rank's statistics must travel the same way (NCCL)
             return ValueError(f"input is on {x.device}; this SyncBatchNorm's backend works on {gpu}")
+        return None
+
+    def _held_dtype(self) -> torch.dtype | None:
+        """The dtype of the parameters, else of the running statistics (None: it has neither)."""
+        for t in (self.weight, self.running_mean):
+            if t is not None:
+                return t.dtype
         return None
 
     def _reference(self) -> tuple[torch.device | None, torch.dtype]:

@@ -650,3 +650,33 @@ BODIES: list[Callable[[dml.Backend], None]] = [
     copy_body,
     training_body,
 ]
+
+
+def mixed_dtype_body(backend: dml.Backend, culprit: int, stateless: bool) -> None:
+    """Inputs whose dtype the layer does not take, as torch.nn.BatchNorm does not: a float64 batch into float32
+    parameters (on one rank, or on every rank) raises TypeError on every rank before the statistics travel (the
+    rows went in the input's dtype: mismatched collectives); a layer without parameters or buffers takes any
+    floating dtype, alike on every rank (different ones raise on every rank), and float64 on every rank is
+    torch's BatchNorm on the concatenated batch."""
+    rank, world = backend.rank, backend.size
+    options: dict[str, Any] = {"affine": False, "track_running_stats": False} if stateless else {}
+    bn = dml.SyncBatchNorm(backend, 3, **options)
+    x = torch.arange(12.0).reshape(4, 3) * (rank + 1)
+    odd = x.double() if rank == culprit else x
+    kind, msg = raised(lambda: bn(odd))
+    assert kind is TypeError, (kind, msg)
+    if stateless:
+        assert "inputs give statistics of different dtypes" in msg and f"rank {culprit}: float64" in msg, msg
+    else:
+        assert f"rank(s) [{culprit}] cannot normalize their input" in msg and "are torch.float32" in msg, msg
+        assert bn.num_batches_tracked.item() == 0 and (bn.running_mean == 0).all()
+        kind, msg = raised(lambda: bn(x.double()))  # every rank
+        assert kind is TypeError and f"rank(s) {list(range(world))} cannot normalize" in msg, (kind, msg)
+    for half in (torch.float16, torch.bfloat16):  # with float32 parameters, as torch takes them
+        assert bn(x.to(half)).dtype == half
+    if stateless:
+        y = bn(x.double())
+        every = torch.cat([torch.arange(12.0).reshape(4, 3) * (r + 1) for r in range(world)]).double()
+        want = nn.BatchNorm1d(3, **options).double()(every)[4 * rank : 4 * rank + 4]
+        close(y, want, 1e-12, "float64 on every rank")
+    world_usable(backend)

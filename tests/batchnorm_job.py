@@ -50,6 +50,10 @@ def misuse_checks(backend: dml.Backend) -> int:
             for stateless in (False, True):
                 guarded(bodies.bad_input_body, backend, misuse, culprit, stateless)
                 count += 1
+    for culprit in range(backend.size):
+        for stateless in (False, True):
+            guarded(bodies.mixed_dtype_body, backend, culprit, stateless)
+            count += 1
     return count
 
 

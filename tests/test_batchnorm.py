@@ -167,3 +167,10 @@ def test_gpu_nccl_backend(ranks: int, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("DML_NCCL_SHARE_DEVICE", "1")
     job = run_mpi(ranks, ["tests/batchnorm_job.py", "nccl"], timeout=300)
     assert job.returncode == 0 and f"BATCHNORM JOB PASSED: nccl on {ranks} ranks" in job.output, job.output[-12000:]
+
+
+@pytest.mark.parametrize("stateless", [False, True], ids=["affine-tracking", "stateless"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_input_dtype_the_layer_does_not_take_raises_on_every_rank(world: int, stateless: bool) -> None:
+    for culprit in range(world):
+        dml.LocalBackend.spawn(world, bodies.mixed_dtype_body, culprit, stateless, timeout=60)
