@@ -36,6 +36,7 @@ import contextlib
 import functools
 import os
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +44,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from distutils_ml.backends.base import Backend, ReduceOp
 from distutils_ml.gloo import GlooTransport
@@ -88,8 +88,37 @@ NETWORK_BUCKET_BYTES = 4 << 20
 RING_DTYPES = (torch.float32, torch.float64)
 _COMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _STREAMS: dict[Any, Any] = {}
-#: Per parameter, the machine whose hooks it carries (a later one over it takes over: :meth:`BucketMachine._hook_on`).
-_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: Per id() of a parameter, the machine whose hooks it carries (a later one over it takes over:
+#: :meth:`BucketMachine._take_over`). A machine holds its parameters, so a live one's ids are not reused.
+_OWNERS: dict[int, weakref.ref[BucketMachine]] = {}
+_OWNERS_LOCK = threading.RLock()  # LocalBackend's ranks are threads of one process
+
+
+@dataclass
+class _Hooked:
+    """A parameter a machine hooked: its AccumulateGrad node (held), its dtype, device and shape then, the handles
+    (the tensor's own hook first)."""
+
+    param: torch.Tensor
+    node: Any
+    dtype: torch.dtype
+    device: torch.device
+    shape: torch.Size
+    handles: list[Any]
+
+
+def _owners_of(params: list[torch.Tensor], me: BucketMachine) -> list[BucketMachine]:
+    """The live machines other than ``me`` that hold hooks on any of ``params``."""
+    found: list[BucketMachine] = []
+    with _OWNERS_LOCK:
+        refs = [_OWNERS.get(id(p)) for p in params]
+    for p, ref in zip(params, refs, strict=True):
+        other = ref() if ref is not None else None
+        if other is not None and other is not me and other not in found:
+            entry = other._hooked.get(id(p))
+            if entry is not None and entry.param is p:
+                found.append(other)
+    return found
 
 
 def check_bucket_bytes(bucket_bytes: Any) -> int:
@@ -393,55 +422,118 @@ class BucketMachine(abc.ABC):
         self._round: Round | None = None
         #: what took over this machine's parameters (a later optimizer or reduction over some of them), or None
         self.displaced_by: str | None = None
-        self._accumulators: list[Any] = []
+        self._hooked: dict[int, _Hooked] = {}  # per id(param) hooked: its node, what it was, the handles
+        self._shape_changed = False  # a hook saw a parameter of another shape before its round began
 
     # -- hooks ------------------------------------------------------------------------------
+
+    def _quiesce_owners(self, params: list[torch.Tensor]) -> None:
+        """Let an earlier machine over any of ``params`` finish what it has in flight into them (before their layout
+        changes); it keeps them until :meth:`_take_over`."""
+        for other in _owners_of(params, self):
+            other._quiesce()
+
+    def _quiesce(self) -> None:  # noqa: B027 - optional: a machine with transfers in flight waits for them
+        """Finish the transfers in flight into the parameters."""
 
     def _take_over(self, params: list[torch.Tensor]) -> None:
         """Make this machine the one that reduces ``params``' gradients: an earlier machine hooked on any of them
         (an optimizer created again, for a new phase or after the model changed) is displaced first, all its hooks
-        removed (its reduction would run beside this one's: twice with SUM, or raise that the parameters changed)."""
-        for p in params:
-            ref = _OWNERS.get(p)
-            other = ref() if ref is not None else None
-            if other is not None and other is not self:
-                other._displace(self.caller)
-        for p in params:
-            _OWNERS[p] = weakref.ref(self)
+        removed (its reduction would run beside this one's: twice with SUM, or raise that the parameters changed).
+        The registry holds ids, not references (a weak reference would stop ``torch.utils.swap_tensors``)."""
+        for other in _owners_of(params, self):
+            other._displace(self.caller)
+        with _OWNERS_LOCK:
+            for key in [k for k, ref in _OWNERS.items() if ref() is None]:
+                del _OWNERS[key]
+            for p in params:
+                _OWNERS[id(p)] = weakref.ref(self)
 
     def _displace(self, by: str) -> None:
         """Another machine took over some of this one's parameters: remove every hook; later use raises."""
         self._unhook()
         self.displaced_by = by
 
-    def _unhook(self) -> None:  # noqa: B027 - optional: a machine that registers hooks removes them here
-        """Remove this machine's hooks."""
+    def _unhook(self) -> None:
+        """Remove this machine's hooks (a subclass removes its others too) and give up its parameters."""
+        for entry in self._hooked.values():
+            for handle in entry.handles:
+                handle.remove()
+            with _OWNERS_LOCK:
+                ref = _OWNERS.get(id(entry.param))
+                if ref is not None and ref() is self:
+                    del _OWNERS[id(entry.param)]
+        self._hooked = {}
 
-    def _hook_on(self, params: list[torch.Tensor]) -> list[Any]:
-        """Hooks that run :meth:`_hook` once backward has accumulated a parameter's gradient (their handles).
+    def _node_prehook(self) -> Callable[[Any], None] | None:
+        """A pre-hook for each parameter's AccumulateGrad node (None: none)."""
+        return None
+
+    def _hook_on(self, params: list[torch.Tensor]) -> None:
+        """Hook ``params`` (those hooked already keep their hooks; the others lose theirs): :meth:`_hook` runs once
+        backward has accumulated a parameter's gradient.
 
         The hook is a post-hook of the parameter's AccumulateGrad node, as DDP's and Horovod's are: it runs after
         every hook on the tensor, a user's ``register_post_accumulate_grad_hook`` registered later included, so the
         bucket goes with ``.grad`` as those hooks left it (a hook on the tensor itself ran before them, and with
-        ``overlap`` its bucket left before they changed it). The nodes are held (a leaf keeps its node only while
-        someone does). A node replaced since (``.data`` of another dtype or device makes a new one) fires no hook
-        of ours: a hook on the tensor then runs :meth:`_hook` instead, and the round sees the change."""
+        ``overlap`` its bucket left before they changed it). The node is held (a leaf keeps it only while someone
+        does). A hook on the tensor notices, from the parameter's dtype, device and shape, when it changed since:
+        ``.data`` of another dtype or device gives it a new node, to which the post-hook moves (in that backward,
+        where it still runs after the tensor's hooks); of another shape, torch keeps the held node, whose gradient
+        then has the old shape, and the round is marked changed (it raises on every rank). Hooks already in place
+        are kept, so a plan rebuilt inside a backward never touches the hooks of a node that is running."""
         self._take_over(params)
-        self._accumulators = [torch.autograd.graph.get_gradient_edge(p).node for p in params]
-        handles = []
-        for p, node in zip(params, self._accumulators, strict=True):
-            handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._if_replaced, node)))
-            handles.append(node.register_hook(functools.partial(self._after_accumulate, p)))
-        return handles
+        kept: dict[int, _Hooked] = {}
+        for p in params:
+            entry = self._hooked.pop(id(p), None)
+            if entry is not None and entry.param is p:
+                kept[id(p)] = entry
+                continue
+            if entry is not None:
+                for handle in entry.handles:
+                    handle.remove()
+            entry = _Hooked(p, None, p.dtype, p.device, p.shape, [])
+            entry.handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._check_node, entry)))
+            self._attach_node(entry, torch.autograd.graph.get_gradient_edge(p).node)
+            kept[id(p)] = entry
+        for entry in self._hooked.values():
+            for handle in entry.handles:
+                handle.remove()
+        self._hooked = kept
+
+    def _attach_node(self, entry: _Hooked, node: Any) -> None:
+        """Hold ``node`` for ``entry``'s parameter and hook it (its post-hook; the subclass's pre-hook)."""
+        entry.node = node
+        entry.handles.append(node.register_hook(functools.partial(self._after_accumulate, entry.param)))
+        prehook = self._node_prehook()
+        if prehook is not None:
+            entry.handles.append(node.register_prehook(prehook))
 
     def _after_accumulate(self, param: torch.Tensor, grad_inputs: Any, grad_outputs: Any) -> None:
         """Post-hook of ``param``'s AccumulateGrad node."""
         self._hook(param)
 
-    def _if_replaced(self, node: Any, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook of ``param``: :meth:`_hook` if its AccumulateGrad node is no longer ``node``."""
-        if torch.autograd.graph.get_gradient_edge(param).node is not node:
-            self._hook(param)
+    def _check_node(self, entry: _Hooked, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of ``param`` (it runs before the node's post-hook): follow a changed parameter."""
+        if param.dtype == entry.dtype and param.device == entry.device and param.shape == entry.shape:
+            return
+        node = torch.autograd.graph.get_gradient_edge(param).node
+        if node is not entry.node:  # another dtype or device: a new node, hooked now (its post-hooks run next)
+            for handle in entry.handles[1:]:
+                handle.remove()
+            del entry.handles[1:]
+            self._attach_node(entry, node)
+            entry.dtype, entry.device, entry.shape = param.dtype, param.device, param.shape
+        grad = param.grad
+        if param.shape != entry.shape or (grad is not None and grad.shape != param.shape):
+            self._stale_shape()
+
+    def _stale_shape(self) -> None:
+        """A parameter's ``.data`` took another shape while its node was held: its gradient has the old one. This
+        backward's round is marked changed (every rank raises); an optimizer created again holds a fresh node."""
+        self._shape_changed = True
+        if self._round is not None:
+            self._round.changed = True
 
     def _sited(self, job: Callable[[], None]) -> Callable[[], None]:
         """``job`` run inside :meth:`_site` (on the communication thread); ``job`` itself outside debug mode."""
@@ -506,6 +598,7 @@ class BucketMachine(abc.ABC):
     # -- rounds -----------------------------------------------------------------------------
 
     def _new_round(self, task: int, changed: bool) -> Round:
+        changed, self._shape_changed = changed or self._shape_changed, False
         nb = len(self._buckets)
         waiting = [len(b.params) for b in self._buckets]
         return Round(task, waiting, [-1] * nb, [False] * len(self._params), changed)

@@ -256,7 +256,8 @@ class DistributedOptimizer(DataParallelOptimizer):
             raises if something did. With ``shard_state=True``: each bucket's shard is stepped and its
             parameters allgathered as its reduce-scatter lands. Default False (:mod:`distutils_ml.stepping`).
         prefetch: with ``shard_state=True`` across hosts, ``step()`` returns before the updated
-            parameters have all arrived and each module's forward waits for its own (see
+            parameters have all arrived and each module's forward waits for those it may read (a layer's
+            own; a module with submodules, but a plain ``nn.Sequential``, its subtree's; see
             :class:`~distutils_ml.ShardedOptimizer`). Default False.
 
     Example:

@@ -99,7 +99,6 @@ class GradientReducer(BucketMachine):
         self._bucket_of: list[int] = []
         self._index: dict[int, int] = {}
         self._init_rounds()
-        self._hooks: list[Any] = []
         self._ring: GlooTransport | None = None
         self.backend: Backend | None = None
         self.overlap = False
@@ -141,7 +140,7 @@ class GradientReducer(BucketMachine):
         self._ring = transport_for(backend)
         self._build(params)
         self._plan_key = key
-        if self._hooks:
+        if self._hooked:
             self._hook_params()
 
     def _build(self, params: list[torch.Tensor]) -> None:
@@ -212,20 +211,11 @@ class GradientReducer(BucketMachine):
         self._hook_params()
 
     def _hook_params(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        params = self._params if self._plan_key is not None else self._params_of()
-        self._hooks = self._hook_on(params)
+        self._hook_on(self._params if self._plan_key is not None else self._params_of())
 
     def detach(self) -> None:
         """Stop reducing during backward (removes the hooks)."""
         self._unhook()
-
-    def _unhook(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-        self._accumulators = []
 
     def _skip_this_backward(self) -> bool:
         return self.skip()

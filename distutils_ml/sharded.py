@@ -135,9 +135,11 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
             ``DistributedOptimizer``.
         prefetch: across hosts (gloo, with overlap), ``step()`` returns before the updated
             parameters have all arrived: their allgathers go in forward order, and each module's
-            forward waits only for its own parameters' buckets (a forward pre-hook), as FSDP
-            prefetches. Until then read parameters only through a module's forward, a collective,
-            this optimizer's methods or :meth:`wait_for_parameters`. Default False.
+            forward waits only for the buckets of the parameters it may read (a forward pre-hook: a
+            module without submodules and a plain ``nn.Sequential`` their own, any other module its
+            subtree's), as FSDP prefetches. Until then read or write parameters only through a
+            module's forward, a collective, this optimizer's methods or after
+            :meth:`wait_for_parameters`. Default False.
         step_during_backward: step this rank's shard of each bucket, and allgather the bucket's
             updated parameters, as soon as its reduce-scatter lands, during ``backward()``
             (buckets for which some rank had no gradient: at the end of backward); ``step()``
@@ -191,7 +193,6 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         self._init_rounds()
         self._agreed = False
         self._ring: GlooTransport | None = None
-        self._hooks: list[Any] = []
         self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         # prefetch: each parameter's allgather (its bucket's event) while one is in flight after step()
         self._arriving: dict[int, threading.Event] = {}
@@ -222,7 +223,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
     def _build(self, params: list[torch.Tensor]) -> None:
         """Flat buffers, buckets, this rank's pieces and the shard optimizer over them; hooks on ``params``."""
         self.wait_for_parameters()
-        self._take_over(params)  # an earlier optimizer over them stops first (its allgathers landed)
+        self._quiesce_owners(params)  # an earlier optimizer over them lands its allgathers first
         layout = build_layout(params, self._bucket_members(params), self._backend.size, self._backend.rank)
         self._params = params
         self._names = self._labels()
@@ -236,20 +237,20 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         # per bucket, then one entry for parameters without elements: (this rank's pieces, their tensors per group)
         self._pieces_by_bucket: list[tuple[list[Piece], list[list[torch.Tensor]]]] | None = None
         self._scatter_state()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = self._hook_on(params)  # holds each parameter's AccumulateGrad node, on which the pre-hooks live
-        self._hooks += [node.register_prehook(self._before_accumulate) for node in self._accumulators]
+        self._hook_on(params)  # taken over once built: a construction that raised leaves an earlier one working
+
+    def _node_prehook(self) -> Callable[[Any], None] | None:
+        return self._before_accumulate
 
     def _displaced_by(self) -> str | None:
         return self.displaced_by
 
+    def _quiesce(self) -> None:
+        self.wait_for_parameters()
+
     def _unhook(self) -> None:
         self.wait_for_parameters()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-        self._accumulators = []
+        super()._unhook()
         if self._arrival_hook is not None:
             self._arrival_hook.remove()
             self._arrival_hook = None
@@ -717,7 +718,8 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         super().zero_grad(set_to_none)
 
     def _forget_round(self) -> None:
-        self._reset_round()
+        if self._round is not None or not self._arriving:  # prefetch: step()'s allgathers go on (they settle alone)
+            self._reset_round()
         self._forget_stepping()
 
     def _forget_stepping(self) -> None:
@@ -1000,14 +1002,26 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         self._restore_state(kept)
 
 
+def _reads_only_its_own(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward reads no parameter of its submodules but through their own forwards: a module
+    without submodules, or an ``nn.Sequential`` whose forward is Sequential's (it calls its children in turn)."""
+    if isinstance(module, torch.nn.Sequential):
+        return type(module).forward is torch.nn.Sequential.forward
+    return next(module.children(), None) is None
+
+
 def _await_hook(ref: weakref.ref[ShardedOptimizer]) -> Callable[[torch.nn.Module, Any], None]:
-    """A global forward pre-hook: a module's forward waits for its own parameters' allgathers (prefetch)."""
+    """A global forward pre-hook (prefetch): a module's forward waits for the allgathers of the parameters it may
+    read. A module without submodules (``Linear``) and a plain ``nn.Sequential`` read only their own; any other
+    module waits for its whole subtree's, as an FSDP unit gathers its subtree: its forward may read a submodule's
+    parameter without calling it (``nn.MultiheadAttention`` passes ``out_proj.weight`` to a function; a parent may
+    use a child's weight). Waiting only for its own parameters gave such modules stale ones."""
 
     @torch.compiler.disable
     def hook(module: torch.nn.Module, args: Any) -> None:
         opt = ref()
         if opt is not None and opt._arriving:
-            opt._await(module.parameters(recurse=False))
+            opt._await(module.parameters(recurse=not _reads_only_its_own(module)))
 
     return hook
 

@@ -8,6 +8,7 @@ simulated ranks share torch's global generator).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -484,3 +485,32 @@ def changed_data_body(backend: dml.Backend, way: str, overlap: bool, how: str, o
     again.step()
     moved = dml.allgather_object(backend, _flat(model) - start)
     assert all(torch.equal(m, moved[0]) for m in moved) and bool(moved[0].abs().sum() > 0), moved
+
+
+def converted_body(backend: dml.Backend, way: str, overlap: bool) -> None:
+    """What a model may go through after the reduction is created, before its first backward: a parameter swapped
+    with ``torch.utils.swap_tensors`` (the library keeps no weak reference to parameters) and ``model.double()`` (a
+    new AccumulateGrad node per parameter: the reduction follows it, once per backward; the sharded form, whose
+    parameters are views of its buffers, refuses it on every rank)."""
+    rank = backend.rank
+    model = _init(torch.nn.Sequential(torch.nn.Linear(3, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256)), 9)
+    reduction = _reduction(backend, model, way, overlap)
+    torch.utils.swap_tensors(model[0].bias, torch.nn.Parameter(model[0].bias.detach().clone()))
+    model.double()
+    x = torch.full((2, 3), float(rank + 1), dtype=torch.float64)
+    if way.startswith("sharded"):
+        with pytest.raises(RuntimeError, match="the parameters changed after the sharded layout was built"):
+            model(x).pow(2).mean().backward()
+        return
+    ref = copy.deepcopy(model)
+    start = _flat(model).clone()
+    model(x).pow(2).mean().backward()
+    for r in range(backend.size):
+        (ref(torch.full((2, 3), float(r + 1), dtype=torch.float64)).pow(2).mean() / backend.size).backward()
+    if way == "reduce_in_backward":
+        got = [p.grad for p in model.parameters()]
+    else:
+        reduction.step()
+        got = list(torch.split((start - _flat(model)) / 0.5, [p.numel() for p in model.parameters()]))
+    for g, p in zip(got, ref.parameters(), strict=True):
+        torch.testing.assert_close(g.reshape(p.shape), p.grad, rtol=1e-9, atol=1e-12)

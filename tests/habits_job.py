@@ -49,6 +49,11 @@ def main(names: list[str]) -> None:
             for how in ("shape", "dtype")
             for only in (False, True)
         ],
+        "converted": lambda: [
+            guarded(habits_bodies.converted_body, world, way, o)
+            for way in ("optimizer", "sharded", "reduce_in_backward")
+            for o in (False, True)
+        ],
         "checkpoint": lambda: hypothesis_check(
             world, habits_bodies.checkpoint_body, habits_bodies.checkpoint_cases(), 16
         ),

@@ -1225,11 +1225,37 @@ class Tied(torch.nn.Module):
         return self.head(self.mlp(self.embed(tokens)) * self.scale)
 
 
-def prefetch_body(backend: dml.Backend, delay: float) -> int:
+class _SelfAttention(torch.nn.Module):
+    """torch's attention, whose forward hands ``out_proj``'s parameters to a function without calling it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(x, x, x, need_weights=False)[0]
+
+
+def attending(seed: int) -> torch.nn.Sequential:
+    """An embedding, an attention block and an MLP head, in an ``nn.Sequential`` (each waits for its own bucket)."""
+    gen = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(11, 8), _SelfAttention(), torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 11)
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model
+
+
+def prefetch_body(backend: dml.Backend, delay: float, kind: str = "tied") -> int:
     """prefetch=True (across hosts: gloo with overlap) against prefetch=False and the unsharded optimizer: the same
     losses at every step (a forward that read a parameter before its allgather arrived would differ; the
     transport's allgathers are slowed by ``delay`` s to make that likely) and the same parameters at the end. The
-    optimizer left its forward pre-hook in place after step() (prefetch was in effect)."""
+    optimizer left its forward pre-hook in place after step() (prefetch was in effect), and ``opt.zero_grad()``
+    before each forward no longer waits for the allgathers, so the forward runs while they are in flight.
+    ``kind``: :class:`Tied`, or :func:`attending` (``nn.MultiheadAttention`` reads ``out_proj``'s parameters
+    without calling it: waiting for its own parameters only, they were stale)."""
     from distutils_ml.transport import transport_for
 
     ring = transport_for(backend)
@@ -1245,23 +1271,30 @@ def prefetch_body(backend: dml.Backend, delay: float) -> int:
 
         ring.allgather = allgather  # type: ignore[method-assign]
     try:
-        models = [Tied(3) for _ in range(3)]
+        models = [Tied(3) if kind == "tied" else attending(3) for _ in range(3)]
+
+        def inner(model: torch.nn.Module) -> torch.optim.Optimizer:  # attention's key bias has no gradient but
+            if kind == "tied":  # rounding, which Adam would make a full step of
+                return torch.optim.Adam(model.parameters(), lr=0.05)
+            return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
         opts = [
-            dml.DistributedOptimizer(backend, torch.optim.Adam(models[0].parameters(), lr=0.05), shard_state=True,
-                                     prefetch=True, bucket_bytes=1024),
-            dml.DistributedOptimizer(backend, torch.optim.Adam(models[1].parameters(), lr=0.05), shard_state=True,
-                                     bucket_bytes=1024),
-            dml.DistributedOptimizer(backend, torch.optim.Adam(models[2].parameters(), lr=0.05), bucket_bytes=1024),
-        ]  # fmt: skip
+            dml.DistributedOptimizer(backend, inner(models[0]), shard_state=True, prefetch=True, bucket_bytes=1024),
+            dml.DistributedOptimizer(backend, inner(models[1]), shard_state=True, bucket_bytes=1024),
+            dml.DistributedOptimizer(backend, inner(models[2]), bucket_bytes=1024),
+        ]
         assert opts[0].overlap, "prefetch_body needs overlap (the default across hosts, DML_OVERLAP=1 here)"
         gen = torch.Generator().manual_seed(17 + backend.rank)
         batches = [torch.randint(0, 11, (6,), generator=gen) for _ in range(4)]
         deferred = 0
         losses: list[list[float]] = [[], [], []]
+        in_flight = 0
         for model, opt, seen in zip(models, opts, losses, strict=True):  # one model at a time: nothing else waits
             for tokens in batches:
                 opt.zero_grad()
-                loss = torch.nn.functional.cross_entropy(model(tokens), tokens)
+                in_flight += opt is opts[0] and bool(opt._arriving)
+                logits = model(tokens.view(2, 3)).reshape(6, 11) if kind != "tied" else model(tokens)
+                loss = torch.nn.functional.cross_entropy(logits, tokens)
                 loss.backward()
                 opt.step()
                 deferred += opt is opts[0] and opt._arrival_hook is not None
@@ -1275,6 +1308,8 @@ def prefetch_body(backend: dml.Backend, delay: float) -> int:
             assert torch.equal(p, q), (p - q).abs().max()
             check_close(backend, p.detach(), r.detach(), "prefetch against the unsharded optimizer", None)
         assert deferred == 4, f"step() waited for its allgathers in {4 - deferred} of 4 steps"
+        if delay:
+            assert in_flight == 3, f"zero_grad() waited for the allgathers before {3 - in_flight} of 3 forwards"
         replicas_identical(backend, torch.cat([p.detach().reshape(-1) for p in models[0].parameters()]).tolist())
         return deferred
     finally:

@@ -57,7 +57,9 @@ def main(names: list[str]) -> None:
         "state": lambda: len(guarded(sb.state_to_body, world)),
         "state_memory": lambda: guarded(sb.state_memory_body, world, "cpu")["full"],
         "ring": lambda: guarded(sb.ring_body, world),
-        "prefetch": lambda: [guarded(sb.prefetch_body, world, delay) for delay in (0.0, 0.05)],
+        "prefetch": lambda: [
+            guarded(sb.prefetch_body, world, delay, kind) for delay in (0.0, 0.05) for kind in ("tied", "attending")
+        ],
     }
 
     def run_check(name: str) -> Any:

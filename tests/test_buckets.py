@@ -134,6 +134,12 @@ def test_data_replaced_by_another_shape_or_dtype_raises_the_documented_error(
     dml.LocalBackend.spawn(2, habits_bodies.changed_data_body, way, overlap, how, only_rank_0, timeout=60)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("way", ["optimizer", "sharded", "reduce_in_backward"])
+def test_a_model_converted_or_swapped_after_the_reduction_is_created(way: str, overlap: bool) -> None:
+    dml.LocalBackend.spawn(2, habits_bodies.converted_body, way, overlap, timeout=60)
+
+
 HABITS_JOB = shared.register("habits", "habits_job", timeout=400)
 
 
