@@ -152,10 +152,9 @@ class _StoragesBack(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         index, dtype = pid
-        untyped = self._parts[index]
-        if dtype is None:
-            return untyped
-        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+        # A bare UntypedStorage (what torch pickles for dtypes without a typed storage class: uint16-64, float8,
+        # complex32, rebuilt by _rebuild_tensor_v3, which reads its ._untyped_storage) comes back wrapped as bytes.
+        return torch.storage.TypedStorage(wrap_storage=self._parts[index], dtype=dtype or torch.uint8, _internal=True)
 
 
 _TRAILER = struct.Struct("<q")  # at the end: the length of the parts' layout, pickled, before it
