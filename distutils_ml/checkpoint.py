@@ -106,9 +106,18 @@ class _DirectFile:
                 pass
         self._block = mmap.mmap(-1, _DIRECT_BLOCK) if self._direct else None
         self._filled = 0
+        #: the first write that failed (torch's writer turns it into an error of its own: "unexpected pos")
+        self.failure: OSError | None = None
 
     def write(self, data: Any) -> int:
         """Write all of ``data`` (any bytes-like object); return its length."""
+        try:
+            return self._write(data)
+        except OSError as e:
+            self.failure = self.failure or e
+            raise
+
+    def _write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         n = len(view)
         if self._block is None:
@@ -130,8 +139,11 @@ class _DirectFile:
     def close(self) -> None:
         """Free the block buffer (after :meth:`finish`, or instead of it when the write failed)."""
         if self._block is not None:
-            self._block.close()
-            self._block, self._filled = None, 0
+            block, self._block, self._filled = self._block, None, 0
+            # A failed write's traceback may still hold a view of it (BufferError, which would hide that failure):
+            # then it is freed with the traceback.
+            with contextlib.suppress(BufferError):
+                block.close()
 
     def finish(self) -> None:
         """Write what the block buffer holds: its aligned part direct, the rest through the page cache."""
@@ -432,14 +444,21 @@ def write_atomic(state: Any, path: str) -> None:
         # a concurrent save to the same path never takes it for abandoned.
         f = _DirectFile(fd)
         try:
-            with _crc32_on():
-                torch.save(state, f)
+            try:
+                with _crc32_on():
+                    torch.save(state, f)
+            except Exception as e:
+                if f.failure is not None and e is not f.failure:  # the disk's own error (ENOSPC, EFBIG), not torch's
+                    raise f.failure from e
+                raise
             f.finish()
             os.fsync(fd)
             os.replace(tmp, path)
         finally:
-            f.close()
-            os.close(fd)
+            try:
+                f.close()
+            finally:
+                os.close(fd)  # whatever closing the buffer does: no descriptor (and no disk space) left behind
     except BaseException:  # any failure, KeyboardInterrupt included: leave no partial file behind
         with contextlib.suppress(OSError):
             os.unlink(tmp)
