@@ -475,6 +475,12 @@ def write_atomic(state: Any, path: str) -> None:
 def _check_records(f: IO[bytes]) -> None:
     """Read every record of the zip open as ``f`` through ``zipfile``, which checks each one's CRC-32."""
     if not zipfile.is_zipfile(f):
+        f.seek(0)
+        head = f.read(4)
+        f.seek(0)
+        if head in (b"PK\x03\x04"[: len(head)], b"") and (head or os.fstat(f.fileno()).st_size == 0):
+            # torch's zip format, with no readable end (a file cut short, or empty): is_zipfile finds no directory
+            raise zipfile.BadZipFile("the zip's end of central directory is missing: the file was cut short")
         return  # the legacy format, or not a checkpoint at all: torch.load says which
     with zipfile.ZipFile(f) as archive:
         records = archive.infolist()

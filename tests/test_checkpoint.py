@@ -482,6 +482,35 @@ def test_a_corrupted_tensor_raises_on_every_rank(tmp_path: Path, world: int) -> 
         assert problems == []
 
 
+def test_every_truncation_is_the_corruption_error(tmp_path: Path) -> None:
+    """A checkpoint cut short anywhere (an empty file included) is 'the file is corrupted', on every rank (most
+    cuts gave OSError EINVAL, an empty file EOFError, a cut after 1-3 bytes a weights_only UnpicklingError)."""
+    path = tmp_path / "ckpt.pt"
+    save(dml.LocalBackend(), {"w": torch.arange(24.0), "step": 3}, path)
+    original = path.read_bytes()
+    wrong = []
+    for end in range(len(original)):
+        path.write_bytes(original[:end])
+        try:
+            dml_checkpoint._read_verified(str(path), weights_only=True)
+        except RuntimeError as exc:
+            if "the file is corrupted" not in str(exc):
+                wrong.append((end, repr(exc)))
+        except Exception as exc:
+            wrong.append((end, repr(exc)))
+        else:
+            wrong.append((end, "loaded"))
+    assert wrong == [], wrong[:5]
+
+    path.write_bytes(original[:100])
+
+    def body(b: dml.Backend) -> None:
+        with pytest.raises(RuntimeError, match=r"the file is corrupted .*cut short"):
+            load(b, path)
+
+    dml.LocalBackend.spawn(2, body, timeout=60)
+
+
 def test_every_flipped_bit_raises_or_loads_the_saved_value(tmp_path: Path) -> None:
     # Every bit of a small checkpoint, one at a time: the load fails, or it returns exactly what was
     # saved (the bit was in padding or in a field nothing reads). A flip in a record's bytes always
