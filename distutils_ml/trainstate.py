@@ -182,13 +182,19 @@ class TrainState:
         path = check_path(path, "TrainState.save")
         seq = run_on_root(self.backend, lambda: self._settle(path), what=f"TrainState.save: in {path!r}")
         obj = consolidated_states(self.backend, self._content())
+        snapshots: list[Any] = []
+
+        def snapshot() -> None:  # host memory: training may change the live tensors now
+            snapshots.append(rebuilt(state_of(obj), self._copy))
+
+        # Inside a collective: a copy that fails on rank 0 raises on every rank, none is left waiting for it.
+        run_on_root(self.backend, snapshot, what="TrainState.save: copying the state to host memory")
         self.saves += 1
         self._last = time.monotonic()
         if self.backend.rank != 0:
             return
-        snapshot = rebuilt(state_of(obj), self._copy)  # host memory: training may change the live tensors now
         target = os.path.join(path, f"state-{seq + 1:08d}.pt")
-        self._writer = threading.Thread(target=self._write, args=(snapshot, target, path), name="dml-trainstate")
+        self._writer = threading.Thread(target=self._write, args=(snapshots[0], target, path), name="dml-trainstate")
         self._writer.start()
 
     def wait(self) -> None:
@@ -231,6 +237,8 @@ class TrainState:
         Reused, so a save after the first touches no fresh memory (fresh pages cost 2-20x the copy here)."""
         if not isinstance(obj, torch.Tensor):
             return DESCEND
+        if obj.layout != torch.strided or _overlaps(obj):  # sparse; expand()ed: no buffer of its strides holds it
+            return obj.detach().clone()
         have = self._host.get(where)
         if have is None or have.shape != obj.shape or have.dtype != obj.dtype or have.stride() != obj.stride():
             have = self._host[where] = torch.empty_strided(obj.shape, obj.stride(), dtype=obj.dtype, device="cpu")
@@ -334,3 +342,15 @@ def _report(file: str, epoch: int, values: dict[str, Any]) -> None:
     simple = {k: v for k, v in values.items() if isinstance(v, (int, float, str, bool))}
     with contextlib.suppress(OSError):  # for the log only
         Path(where).write_text(json.dumps({"file": file, "epoch": epoch, "values": simple}))
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (a stride of 0 over a dimension of more than one element, as
+    ``expand`` makes, or strides that fold back onto each other)."""
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n > 1)
+    span = 1
+    for stride, n in dims:
+        if stride < span:
+            return True
+        span = stride * n
+    return False

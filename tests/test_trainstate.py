@@ -113,6 +113,33 @@ def test_keeps_the_newest_checkpoints_and_resumes_the_newest(tmp_path: Path, wor
     assert _files(tmp_path) == ["state-00000004.pt", "state-00000005.pt"]
 
 
+def test_expanded_and_sparse_tensors_are_saved_and_a_failed_copy_raises_on_every_rank(tmp_path: Path) -> None:
+    """An expand()ed or a sparse tensor among the values saves and resumes (rank 0's host copy raised alone after
+    the collectives, and the other ranks went on to wait in their next one); a copy that fails raises on every
+    rank."""
+
+    def body(b: dml.Backend) -> None:
+        mask = torch.arange(3.0).expand(2, 3)
+        sparse = torch.sparse_coo_tensor([[0, 2]], [1.5, -2.0], (4,), check_invariants=True)
+        state = dml.TrainState(b, model=torch.nn.Linear(2, 1), mask=mask, sparse=sparse)
+        state.save(tmp_path)
+        state.wait()
+        again = dml.TrainState(b, model=torch.nn.Linear(2, 1), mask=torch.zeros(2, 3), sparse=torch.zeros(4))
+        assert again.resume(tmp_path)
+        assert torch.equal(again.mask, mask) and torch.equal(again.sparse.to_dense(), sparse.to_dense())
+
+        class Unreadable(torch.Tensor):  # a tensor whose copy fails on rank 0
+            def detach(self) -> torch.Tensor:
+                raise RuntimeError("no copy of this one")
+
+        broken = dml.TrainState(b, model=torch.nn.Linear(2, 1), bad=torch.zeros(2).as_subclass(Unreadable))
+        with pytest.raises(RuntimeError, match="no copy of this one"):
+            broken.save(tmp_path / "broken")
+        dml.barrier(b)  # every rank raised: none waits for another
+
+    dml.LocalBackend.spawn(2, body, timeout=60)
+
+
 def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(tmp_path: Path) -> None:
     def body(b: dml.Backend) -> int:
         state = _state(b)
