@@ -11,24 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+
+from distutils_ml.watchdog import thread_setting
 
 __all__ = ["joined_ranks_send_zeros", "zeros_requested"]
 
 _LOCAL = threading.local()
 
 
-@contextlib.contextmanager
-def joined_ranks_send_zeros() -> Iterator[None]:
+def joined_ranks_send_zeros() -> contextlib.AbstractContextManager[None]:
     """Inside ``dml.join``: in the allgathers made in this block, ranks that have joined send zeros (data, such as
     SyncBatchNorm's per-rank counts and moments) rather than the announcing rank's buffer (their default, which
     makes agreement checks pass as if they said the same)."""
-    previous = getattr(_LOCAL, "zeros", False)
-    _LOCAL.zeros = True
-    try:
-        yield
-    finally:
-        _LOCAL.zeros = previous
+    return thread_setting(_LOCAL, "zeros", True)
 
 
 def zeros_requested() -> bool:

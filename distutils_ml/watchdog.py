@@ -182,15 +182,20 @@ _SITE = threading.local()
 
 
 @contextlib.contextmanager
-def site_as(site: str) -> Iterator[None]:
-    """Inside: :func:`call_site` on this thread says ``site`` (a rank that answers another's call, as ``dml.join``'s
-    joined ranks do, compares it as made where the other made it)."""
-    before = getattr(_SITE, "site", None)
-    _SITE.site = site
+def thread_setting(local: threading.local, name: str, value: Any) -> Iterator[None]:
+    """Inside: ``local``'s attribute ``name`` is ``value`` on this thread; after, what it was (None if unset)."""
+    before = getattr(local, name, None)
+    setattr(local, name, value)
     try:
         yield
     finally:
-        _SITE.site = before
+        setattr(local, name, before)
+
+
+def site_as(site: str) -> contextlib.AbstractContextManager[None]:
+    """Inside: :func:`call_site` on this thread says ``site`` (a rank that answers another's call, as ``dml.join``'s
+    joined ranks do, compares it as made where the other made it)."""
+    return thread_setting(_SITE, "site", site)
 
 
 def call_site() -> str:
