@@ -493,9 +493,12 @@ class BucketMachine(abc.ABC):
                 for handle in entry.handles:
                     handle.remove()
             entry = _Hooked(p, None, p.dtype, p.device, p.shape, [])
+            kept[id(p)] = entry
+            if p.layout != torch.strided:  # no node to hold (view_as has no sparse kernel): the plan refuses it
+                entry.handles.append(p.register_post_accumulate_grad_hook(self._hook))
+                continue
             entry.handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._check_node, entry)))
             self._attach_node(entry, torch.autograd.graph.get_gradient_edge(p).node)
-            kept[id(p)] = entry
         for entry in self._hooked.values():
             for handle in entry.handles:
                 handle.remove()
