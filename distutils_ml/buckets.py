@@ -106,6 +106,12 @@ class _Hooked:
     shape: torch.Size
     handles: list[Any]
 
+    def remove(self, first: int = 0) -> None:
+        """Remove its hooks from ``first`` on (1: keep the tensor's own)."""
+        for handle in self.handles[first:]:
+            handle.remove()
+        del self.handles[first:]
+
 
 def _owners_of(params: list[torch.Tensor], me: BucketMachine) -> list[BucketMachine]:
     """The live machines other than ``me`` that hold hooks on any of ``params``."""
@@ -457,8 +463,7 @@ class BucketMachine(abc.ABC):
     def _unhook(self) -> None:
         """Remove this machine's hooks (a subclass removes its others too) and give up its parameters."""
         for entry in self._hooked.values():
-            for handle in entry.handles:
-                handle.remove()
+            entry.remove()
             with _OWNERS_LOCK:
                 ref = _OWNERS.get(id(entry.param))
                 if ref is not None and ref() is self:
@@ -490,8 +495,7 @@ class BucketMachine(abc.ABC):
                 kept[id(p)] = entry
                 continue
             if entry is not None:
-                for handle in entry.handles:
-                    handle.remove()
+                entry.remove()
             entry = _Hooked(p, None, p.dtype, p.device, p.shape, [])
             kept[id(p)] = entry
             if p.layout != torch.strided:  # no node to hold (view_as has no sparse kernel): the plan refuses it
@@ -500,8 +504,7 @@ class BucketMachine(abc.ABC):
             entry.handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._check_node, entry)))
             self._attach_node(entry, torch.autograd.graph.get_gradient_edge(p).node)
         for entry in self._hooked.values():
-            for handle in entry.handles:
-                handle.remove()
+            entry.remove()
         self._hooked = kept
 
     def _attach_node(self, entry: _Hooked, node: Any) -> None:
@@ -522,9 +525,7 @@ class BucketMachine(abc.ABC):
             return
         node = torch.autograd.graph.get_gradient_edge(param).node
         if node is not entry.node:  # another dtype or device: a new node, hooked now (its post-hooks run next)
-            for handle in entry.handles[1:]:
-                handle.remove()
-            del entry.handles[1:]
+            entry.remove(first=1)
             self._attach_node(entry, node)
             entry.dtype, entry.device, entry.shape = param.dtype, param.device, param.shape
         grad = param.grad
