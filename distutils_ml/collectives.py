@@ -185,6 +185,7 @@ def _bcast(backend: Backend, sendbuf: Any, recvbuf: Any, root: int) -> Any:
             send, buf, dt = _two_buffers(sendbuf, recvbuf)
     except OnDevice:
         return _on_device("bcast", backend, sendbuf, recvbuf, None, root)
+    root = backend.acting_root(root)  # a joined root's data comes from a rank with data (dml.join)
     if backend.debug:
         backend._check_call("bcast", buf.shape, dt, None, root)
     if recvbuf is None:
@@ -234,6 +235,7 @@ def _reduce(backend: Backend, sendbuf: Any, recvbuf: Any, op: ReduceOp, root: in
     except OnDevice:
         return _on_device("reduce", backend, sendbuf, recvbuf, op, root)
     check_op_dtype(op, dt, "buf" if recvbuf is None else "sendbuf")
+    root = backend.acting_root(root)  # a joined root's result goes to a rank with data (dml.join)
     if backend.debug:
         backend._check_call("reduce", recv.shape, dt, op, root)
     is_root = backend.rank == root

@@ -60,7 +60,7 @@ def digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def _remote_error(status: tuple[str, str, str], message: str) -> Exception:
+def remote_error(status: tuple[str, str, str], message: str) -> Exception:
     """An exception of the remote error's class where it is a builtin or pickle error, else RuntimeError."""
     module, name, text = status
     cls = getattr(_ERROR_MODULES.get(module), name, None)
@@ -316,7 +316,7 @@ def _broadcast(backend: Backend, root: int, produce: Callable[[], Any], caller: 
         except Exception as exc:
             problem = f"{type(exc).__name__}: {exc}"
         _agree(backend, problem, caller)
-        raise _remote_error(received, failed) from cause[0]
+        raise remote_error(received, failed) from cause[0]
     problem = None
     if data[:1] == _INLINE:
 
@@ -370,7 +370,7 @@ def bcast_object(backend: Backend, obj: Any, *, root: int = 0) -> Any:
         {'lr': 0.1, 'epochs': 3}
     """
     check_backend(backend, "bcast_object")
-    root = check_root(backend, root)
+    root = backend.acting_root(check_root(backend, root))
     with exclusive(backend, "bcast_object"):
         failed = f"bcast_object: the object of rank {root} cannot be pickled"
         return _broadcast(backend, root, lambda: obj, "bcast_object", failed)
@@ -386,7 +386,7 @@ def run_on_root(backend: Backend, fn: Callable[[], T], *, root: int = 0, what: s
     (chained from the original exception on root).
     """
     check_backend(backend, what)
-    root = check_root(backend, root)
+    root = backend.acting_root(check_root(backend, root))
     with exclusive(backend, what):
         return _broadcast(backend, root, fn, what, f"{what}: rank {root}")
 
@@ -430,7 +430,7 @@ def allgather_object(backend: Backend, obj: Any) -> list[Any]:
         _agree(backend, problem, "allgather_object")
         for r, (ok, value) in enumerate(values):
             if not ok:
-                raise _remote_error(value, f"allgather_object: the object of rank {r} cannot be pickled") from (
+                raise remote_error(value, f"allgather_object: the object of rank {r} cannot be pickled") from (
                     cause if r == backend.rank else None
                 )
         return [value for _, value in values]

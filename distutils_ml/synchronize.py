@@ -100,7 +100,7 @@ def synchronize(backend: Backend, x: T, root: int = 0) -> T:
         {'epoch': 3, 'scale': tensor([1., 1.])}
     """
     check_backend(backend, "synchronize")
-    root = check_root(backend, root)
+    root = backend.acting_root(check_root(backend, root))
     with exclusive(backend, "synchronize"):
         return _synchronize(backend, x, root)
 

@@ -90,6 +90,9 @@ class Join:
         self._roots = [b.root for b in buffers]
         self._steps = 0
         self._flagged = False  # this iteration's allgather of who still has data is done
+        # That allgather was made by a primitive after the last step (a loss averaged after opt.step(), say), not by
+        # the forward: a rank may still leave after such calls, so the first forward opens the iteration anew.
+        self._tail = False
         self._announcer: int | None = None  # the rank announcing each primitive (None: every rank has data)
         self._depth = 0  # primitives inside a primitive are the outer one's business
         self._hooks: list[Any] = []
@@ -107,7 +110,7 @@ class Join:
         self._hooks = [opt.register_step_post_hook(self._after_step) for opt in self._optimizers]
         # The iteration's flag before the first forward's hooks (broadcast_buffers reads its root there).
         self._hooks += [m.register_forward_pre_hook(self._before_forward, prepend=True) for m in self._modules]
-        self.backend.observe(self._observe)
+        self.backend.observe(self._observe, self._root_now)
         return self
 
     def _observe(self, name: str, original: Callable[..., Any], *args: Any) -> Any:
@@ -117,6 +120,7 @@ class Join:
         try:
             if not self._flagged:
                 self._flag(active=True)
+                self._tail = True
             if self._announcer is not None:
                 args = self._to_active_root(name, args)
                 self._send_announcement((name, _describe(name, args)))
@@ -134,13 +138,37 @@ class Join:
             return args
         return (*args[:where], self._announcer, *args[where + 1 :])
 
-    def _before_forward(self, *_: Any) -> None:
+    def _root_now(self, root: int) -> int:
+        """The rank acting as ``root`` in a rooted call made now (``Backend.acting_root``): the announcer once
+        ``root`` has joined. Makes the iteration's flag first, as its first primitive would."""
+        if self._depth:  # inside a primitive: _observe reroutes it
+            return root
         if not self._flagged:
             self.backend._enter("join")
             try:
                 self._flag(active=True)
+                self._tail = True
             finally:
                 self.backend._leave()
+        return root if self._announcer is None or root in self._active else self._announcer
+
+    def _before_forward(self, *_: Any) -> None:
+        if self._flagged and not self._tail:
+            return
+        self.backend._enter("join")
+        try:
+            if self._flagged:  # calls after the last step opened this iteration: a rank may have left since
+                self._end_announced()
+            self._flag(active=True)
+            self._tail = False
+        finally:
+            self.backend._leave()
+
+    def _end_announced(self) -> None:
+        """Close an iteration whose primitives were announced (some rank had joined): the joined ranks stop
+        shadowing it. Every rank with data takes part, as in :meth:`_after_step`."""
+        if self._announcer is not None:
+            self._send_announcement(_END)
 
     def _after_step(self, *_: Any) -> None:
         self._steps += 1
@@ -187,6 +215,8 @@ class Join:
             return
         backend._enter("join")
         try:
+            if self._flagged and self._tail:  # left after calls that followed the last step: they are done
+                self._end_announced()
             while True:
                 every = self._flag(active=False)
                 if not every[:, 0].any():

@@ -6,6 +6,8 @@ iteration t, averages the losses of the ranks that still have a batch t and step
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 from hypothesis import strategies as st
 
 import distutils_ml as dml
+from distutils_ml.objects import run_on_root
 
 
 @dataclass(frozen=True)
@@ -154,3 +157,73 @@ def sparse_join_body(backend: dml.Backend, batches: tuple[int, ...], sparse_as_d
         ref.step()
     for (name, got), expected in zip(model.state_dict().items(), want.state_dict().values(), strict=True):
         assert torch.allclose(got, expected, rtol=1e-10, atol=1e-12), (batches, name, got, expected)
+
+
+def rooted_calls_body(backend: dml.Backend, batches: tuple[int, ...], root: int) -> None:
+    """Inside the block, after each step: rooted calls rooted at ``root``, whether ``root`` still has data or has
+    joined (then the lowest rank with data acts as root): bcast (both forms), reduce, bcast_object, run_on_root,
+    synchronize, dml.save / dml.load, and a TrainState save, each from that rank's data."""
+    rank, world = backend.rank, backend.size
+    where = dml.bcast_object(backend, tempfile.mkdtemp() if rank == 0 else None)
+    model = _model(False)
+    opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1))
+    state = dml.TrainState(backend, model=model, optimizer=opt, step=0)
+    with dml.join(backend, opt, model):
+        for t in range(batches[rank]):
+            opt.zero_grad()
+            model(_batch(rank, t)).pow(2).mean().backward()
+            opt.step()
+            active = [r for r in range(world) if batches[r] > t]
+            acting = root if root in active else active[0]
+            assert backend.acting_root(root) == acting, (t, backend.acting_root(root), acting)
+            mine = torch.full((3,), float(rank))
+            got = dml.bcast(backend, mine.clone(), root=root)
+            assert torch.equal(got, torch.full((3,), float(acting))), (t, got)
+            out = torch.full((3,), -1.0)
+            dml.bcast(backend, mine, out, root=root)
+            assert torch.equal(out, torch.full((3,), float(acting))), (t, out)
+            total = dml.reduce(backend, torch.tensor([rank + 1.0]), dml.SUM, root=root)
+            if rank == acting:
+                assert total.item() == sum(r + 1.0 for r in active), (t, total)
+            assert dml.bcast_object(backend, ("from", rank), root=root) == ("from", acting)
+            assert run_on_root(backend, lambda: backend.rank, root=root) == acting
+            synced = dml.synchronize(backend, {"v": torch.tensor([rank])}, root=root)
+            assert synced["v"].item() == acting
+            writer = 0 if 0 in active else active[0]  # dml.save and dml.load: rank 0's, or the acting rank's
+            dml.save(backend, {"t": t, "by": rank, "model": model}, os.path.join(where, "ckpt.pt"))
+            back = dml.load(backend, os.path.join(where, "ckpt.pt"))
+            assert (back["t"], back["by"]) == (t, writer), (t, back["t"], back["by"])
+            state.step = t + 1
+            state.save(where)
+    state.wait()
+    fresh = dml.TrainState(backend, model=_model(False), optimizer=None, step=-1)
+    assert fresh.resume(where)
+    assert fresh.step == max(batches), (fresh.step, batches)
+
+
+def calls_around_the_step_body(backend: dml.Backend, batches: tuple[int, ...], where: str) -> None:
+    """A loss-like sum in every iteration, made before the forward or after the step (a rank may leave right after
+    it): the ranks with a batch t sum their ones, the joined ones add zeros."""
+    rank = backend.rank
+    model = _model(False)
+    opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1))
+    with dml.join(backend, opt, model):
+        for t in range(batches[rank]):
+            want = float(sum(b > t for b in batches))
+            if where == "before":
+                assert dml.allreduce(backend, torch.ones(2), dml.SUM).tolist() == [want] * 2, (t, batches)
+            opt.zero_grad()
+            model(_batch(rank, t)).pow(2).mean().backward()
+            opt.step()
+            if where == "after":
+                assert dml.allreduce(backend, torch.ones(2), dml.SUM).tolist() == [want] * 2, (t, batches)
+                assert dml.bcast_object(backend, rank) == (
+                    0 if batches[0] > t else min(r for r, b in enumerate(batches) if b > t)
+                )
+    everyone = dml.allgather_object(backend, [p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for other in everyone for a, b in zip(other, everyone[0], strict=True)), "ranks differ"
+
+
+def join_uneven_batches(world: int | None = None) -> st.SearchStrategy[tuple[int, ...]]:
+    sizes = st.integers(1, 4) if world is None else st.just(world)
+    return sizes.flatmap(lambda w: st.lists(st.integers(0, 4), min_size=w, max_size=w).filter(any).map(tuple))

@@ -7,6 +7,8 @@ import faulthandler
 import signal
 import sys
 
+from hypothesis import strategies as st
+
 import distutils_ml as dml
 
 import join_bodies
@@ -20,6 +22,18 @@ def main(names: list[str]) -> None:
     checks = {
         "uneven": lambda: hypothesis_check(world, join_bodies.join_body, join_bodies.join_cases(world.size), 12),
         "refusals": lambda: guarded(join_bodies.refusals_body, world),
+        "rooted": lambda: hypothesis_check(
+            world,
+            lambda b, case: join_bodies.rooted_calls_body(b, *case),
+            st.tuples(join_bodies.join_uneven_batches(world.size), st.integers(0, world.size - 1)),
+            6,
+        ),
+        "around": lambda: hypothesis_check(
+            world,
+            lambda b, case: join_bodies.calls_around_the_step_body(b, *case),
+            st.tuples(join_bodies.join_uneven_batches(world.size), st.sampled_from(["before", "after"])),
+            6,
+        ),
     }
     run_checks(world, names or list(checks), "JOIN CHECKS PASSED", lambda name: checks[name]())
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import distutils_ml as dml
 from distutils_ml.backends.local import RankFailedError
@@ -71,8 +72,8 @@ def test_join_under_mpiexec(ranks: int, transport: str, debug: str) -> None:
     else:
         job = run_mpi(ranks, ["tests/join_job.py"], timeout=300, envs=[env] * ranks)
     assert job.returncode == 0, job.output[-8000:]
-    assert f"JOIN CHECKS PASSED: uneven refusals on {ranks} ranks" in job.output, job.output[-8000:]
-    assert_checks_passed(job, ["uneven", "refusals"], ranks)
+    assert f"JOIN CHECKS PASSED: uneven refusals rooted around on {ranks} ranks" in job.output, job.output[-8000:]
+    assert_checks_passed(job, ["uneven", "refusals", "rooted", "around"], ranks)
 
 
 @pytest.mark.parametrize("sparse_as_dense", [False, True], ids=["sparse", "as_dense"])
@@ -80,3 +81,17 @@ def test_join_under_mpiexec(ranks: int, transport: str, debug: str) -> None:
 def test_sparse_gradients_average_over_the_ranks_with_data(batches: tuple[int, ...], sparse_as_dense: bool) -> None:
     """A joined rank adds no entries to a sparse gradient (it used to send the announcer's: counted W times)."""
     dml.LocalBackend.spawn(len(batches), join_bodies.sparse_join_body, batches, sparse_as_dense, timeout=60)
+
+
+@settings(max_examples=25, deadline=None)
+@given(batches=join_bodies.join_uneven_batches(), root=st.integers(0, 3))
+def test_rooted_calls_come_from_a_rank_with_data_once_their_root_has_joined(
+    batches: tuple[int, ...], root: int
+) -> None:
+    dml.LocalBackend.spawn(len(batches), join_bodies.rooted_calls_body, batches, root % len(batches), timeout=60)
+
+
+@settings(max_examples=25, deadline=None)
+@given(batches=join_bodies.join_uneven_batches(), where=st.sampled_from(["before", "after"]))
+def test_collectives_before_the_forward_or_after_the_step(batches: tuple[int, ...], where: str) -> None:
+    dml.LocalBackend.spawn(len(batches), join_bodies.calls_around_the_step_body, batches, where, timeout=60)

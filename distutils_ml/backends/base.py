@@ -197,16 +197,19 @@ class Backend(abc.ABC):
         as one of its own while it runs (backends without a watchdog: nothing)."""
         yield
 
-    def observe(self, observer: Callable[..., Any] | None) -> None:
+    def observe(self, observer: Callable[..., Any] | None, roots: Callable[[int], int] | None = None) -> None:
         """Route this backend's primitive calls through ``observer(name, original, *args)`` (None: stop).
 
         ``name`` is the primitive (``"_allreduce"``, ..., and ``"_check_call"``, the debug-mode comparison),
         ``original`` the bound primitive, which ``observer`` calls (or not) and whose result it returns. For
         layers that must see every message this backend sends in order (``dml.join``); one observer at a time.
+        ``roots``, with an observer that reroutes rooted primitives: the rank acting as a given root now
+        (:meth:`acting_root` answers with it).
         """
         if self._closers is None:
             raise RuntimeError(f"{self!r} is closed")
         self._observer = observer
+        self._root_map = roots if observer is not None else None
         for name in OBSERVED:
             if observer is None:
                 self.__dict__.pop(name, None)
@@ -303,6 +306,18 @@ class Backend(abc.ABC):
     ) -> None:  # pragma: no cover - only backends with takes_device_buffers are called
         """Run collective ``kind`` on contiguous CUDA tensors (``send`` None: in place), on the current stream."""
         raise NotImplementedError(f"{type(self).__name__} does not take CUDA buffers")
+
+    def acting_root(self, root: int) -> int:
+        """The rank that acts as ``root`` in a rooted collective made now: ``root`` itself, except inside
+        ``dml.join`` once ``root`` has joined (then the lowest rank that still has data; see ``dml.join``).
+
+        Rooted calls (``bcast``, ``reduce``, ``bcast_object``, ``run_on_root``, ``synchronize``) ask it before
+        they decide which rank sends; code that prepares root's data itself (``x if backend.rank == root else
+        None``) asks it too. Inside ``dml.join`` the first call of an iteration makes the iteration's small
+        allgather (which ranks have data): call it on every rank with data at the same point, as a collective.
+        """
+        remap = getattr(self, "_root_map", None)
+        return root if remap is None else remap(root)
 
     @property
     def observed(self) -> bool:
