@@ -3,7 +3,8 @@
 ``save`` turns live objects into their state (a module, optimizer, LR scheduler or
 stateful data loader into its ``state_dict()``, a ``DistributedDataContainer`` into
 ``{"epoch": ...}``), so ``dml.save(backend, {"model": model, "opt": opt}, path)`` writes
-what ``torch.load(path, weights_only=True)`` can read back. Rank 0 writes a temporary
+what ``torch.load(path, weights_only=True)`` can read back (``dml.load`` admits NumPy arrays
+and scalars besides, which ``torch.load`` asks to be allowed first). Rank 0 writes a temporary
 file beside ``path`` (past the page cache, ``O_DIRECT``, where the file system allows:
 :class:`_DirectFile`), fsyncs it, then renames it over ``path``: a crash
 leaves either the old checkpoint or the new one, never half of one. A write that fails
@@ -27,8 +28,10 @@ import contextlib
 import copy
 import dataclasses
 import errno
+import io
 import mmap
 import os
+import pickle
 import re
 import secrets
 import stat
@@ -54,6 +57,7 @@ except ImportError:  # not POSIX: no advisory locks
 __all__ = [
     "DESCEND",
     "check_path",
+    "check_resumable",
     "consolidated_states",
     "load",
     "rebuilt",
@@ -230,7 +234,10 @@ def rebuilt(obj: Any, leaf: Callable[[Any, str], Any], where: str = "obj") -> An
     if out is not DESCEND:
         return out
     if type(obj) in (dict, OrderedDict):
-        return type(obj)((k, rebuilt(v, leaf, f"{where}[{k!r}]")) for k, v in obj.items())
+        new = type(obj)((k, rebuilt(v, leaf, f"{where}[{k!r}]")) for k, v in obj.items())
+        if getattr(obj, "__dict__", None):  # a state_dict()'s _metadata (the modules' versions): kept
+            new.__dict__.update(obj.__dict__)
+        return new
     if type(obj) in (list, tuple):
         return type(obj)(rebuilt(v, leaf, f"{where}[{i}]") for i, v in enumerate(obj))
     if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):  # namedtuple
@@ -522,11 +529,84 @@ def _verify(f: IO[bytes]) -> None:
     )
 
 
+def _numpy_globals() -> list[Any]:
+    """What NumPy arrays, scalars and dtypes unpickle with: the globals ``load`` admits under ``weights_only``
+    beside torch's own (their contents, object arrays' items included, are unpickled under the same rules)."""
+    try:
+        from numpy._core import multiarray  # NumPy 2
+    except ImportError:  # pragma: no cover - NumPy 1
+        from numpy.core import multiarray  # type: ignore[no-redef]
+    allowed: list[Any] = [multiarray._reconstruct, multiarray.scalar, np.ndarray, np.dtype]
+    kinds = getattr(np, "dtypes", None)  # the dtypes' classes (NumPy >= 1.25), which some pickles name
+    if kinds is not None:
+        allowed += [k for n in dir(kinds) if n.endswith("DType") and isinstance(k := getattr(kinds, n), type)]
+    return allowed
+
+
+def _torch_load(f: IO[bytes], weights_only: bool) -> Any:
+    if not weights_only:
+        return torch.load(f, map_location="cpu", weights_only=False)
+    with torch.serialization.safe_globals(_numpy_globals()):
+        return torch.load(f, map_location="cpu", weights_only=True)
+
+
 def _read_verified(path: str, weights_only: bool) -> Any:
     """``torch.load`` of ``path`` after checking its CRC-32s, both through one open file (safe from a rename)."""
     with open(path, "rb") as f:
         _verify(f)
-        return torch.load(f, map_location="cpu", weights_only=weights_only)
+        return _torch_load(f, weights_only)
+
+
+def _refused(obj: Any) -> str | None:
+    """Why ``load`` (``weights_only=True``) would not read ``obj`` back, or None."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(obj, buffer)
+        buffer.seek(0)
+        _torch_load(buffer, True)
+    except pickle.UnpicklingError as e:
+        lines = [line.strip() for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line]
+        return lines[0] if lines else str(e).splitlines()[0]
+    return None
+
+
+def _children(obj: Any, where: str) -> list[tuple[Any, str]]:
+    if type(obj) in (dict, OrderedDict):
+        return [(v, f"{where}[{k!r}]") for k, v in obj.items()] + [(k, f"a key of {where}") for k in obj]
+    if type(obj) in (list, tuple, set, frozenset):
+        return [(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    return []
+
+
+def check_resumable(obj: Any, caller: str, where: str = "state") -> None:
+    """Raise a ``ValueError`` naming the first value in ``obj`` that ``load`` (``weights_only=True``, NumPy values
+    admitted) would refuse to read back: a checkpoint that cannot be resumed is refused when it is written.
+
+    Plain tensors are left out of the check (they always load), so it costs a pickle of the rest.
+    """
+
+    def blank(x: Any, _: str) -> Any:
+        return None if type(x) in (torch.Tensor, torch.nn.Parameter) else DESCEND
+
+    skeleton = rebuilt(obj, blank)
+    problem = _refused(skeleton)
+    if problem is None:
+        return
+    culprit = where
+    while True:  # down to the innermost value that is refused by itself
+        for child, place in _children(skeleton, culprit):
+            reason = _refused(child)
+            if reason is not None:
+                skeleton, culprit, problem = child, place, reason
+                break
+        else:
+            break
+    raise ValueError(
+        f"{caller}: {culprit} ({type(skeleton).__qualname__}) could not be read back when resuming: checkpoints are "
+        f"loaded with torch.load(weights_only=True), which refuses it ({problem}). Store plain values there (numbers, "
+        "strings, tensors, NumPy arrays, lists and dicts of them), or allow its class with "
+        "torch.serialization.add_safe_globals on every run that saves or resumes"
+    )
 
 
 def save(backend: Backend, obj: Any, path: str | os.PathLike[str]) -> None:
@@ -612,8 +692,10 @@ def load(backend: Backend, path: str | os.PathLike[str], *, weights_only: bool =
         backend: from ``dml.get_distributed_backend``.
         path: the checkpoint file.
         weights_only: load only tensors, containers and plain values (``torch.load``'s
-            safe mode, the default). Pass False only for a file you trust that holds
-            other classes.
+            safe mode, the default), and NumPy arrays, scalars and dtypes (whose contents
+            are unpickled under the same rules); classes allowed with
+            ``torch.serialization.add_safe_globals`` too. Pass False only for a file you
+            trust that holds other classes.
 
     Returns:
         The saved object, an independent copy on every rank.

@@ -32,8 +32,10 @@ older ones.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import pickle
 import re
 import threading
 import time
@@ -48,6 +50,7 @@ from distutils_ml.backends.base import Backend, check_backend
 from distutils_ml.checkpoint import (
     DESCEND,
     check_path,
+    check_resumable,
     consolidated_states,
     load,
     rebuilt,
@@ -55,8 +58,8 @@ from distutils_ml.checkpoint import (
     write_atomic,
 )
 from distutils_ml.data import DistributedDataContainer
-from distutils_ml.objects import bcast_object, run_on_root
-from distutils_ml.rng import rng_state_all, set_rng_state_all
+from distutils_ml.objects import allgather_object, bcast_object, remote_error, run_on_root
+from distutils_ml.rng import rng_state, set_rng_state_all
 
 __all__ = ["RESUME_REPORT_ENV", "TrainState"]
 
@@ -134,6 +137,7 @@ class TrainState:
         #: process took it up (a resumed epoch).
         self.epoch, self.start = (data.epoch, data.start) if data is not None else (0, 0)
         self._taken = 0  # observations this rank took this epoch, in this process (batches)
+        self._ended = False  # this epoch's loop over batches is over
         self._calls = 0  # save_if_due calls, over the whole run
         self._last = time.monotonic()
         #: Checkpoints written by this run (counting those of the runs it resumed).
@@ -151,13 +155,17 @@ class TrainState:
             if self._data is not None:
                 self._data.set_epoch(self.epoch, self.start)
             yield self.epoch
-            self.epoch, self.start, self._taken = self.epoch + 1, 0, 0
+            self.epoch, self.start, self._taken, self._ended = self.epoch + 1, 0, 0, False
 
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
-        """``loader``'s batches, counted: each batch's observations count as consumed once it is yielded."""
+        """``loader``'s batches, counted: each batch's observations count as consumed once it is yielded. Use one
+        such loop per epoch. Once it is over, the epoch counts as done: a save from then on (after the epoch's
+        own closing code, a per-epoch scheduler step say) resumes at the next epoch."""
+        self._taken, self._ended = 0, False
         for batch in loader:
             self._taken += _batch_len(batch)
             yield batch
+        self._ended = True
 
     # -- saving --------------------------------------------------------------------------------------------------
 
@@ -167,8 +175,9 @@ class TrainState:
         self._calls += 1
         due = self._every_steps is not None and self._calls % self._every_steps == 0
         if self._every_seconds is not None and not due:
-            late = self.backend.rank == 0 and time.monotonic() - self._last >= self._every_seconds
-            due = bool(bcast_object(self.backend, late if self.backend.rank == 0 else None))
+            clock = self.backend.acting_root(0)  # rank 0's; inside dml.join, once it has joined, a rank with data's
+            late = time.monotonic() - self._last >= self._every_seconds
+            due = bool(bcast_object(self.backend, late if self.backend.rank == clock else None, root=clock))
         if due:
             self.save(path)
         return due
@@ -180,18 +189,24 @@ class TrainState:
         and returns once rank 0 holds a copy in host memory: the file is written in the background.
         """
         path = check_path(path, "TrainState.save")
-        seq = run_on_root(self.backend, lambda: self._settle(path), what=f"TrainState.save: in {path!r}")
-        obj = consolidated_states(self.backend, self._content())
+        backend = self.backend
+        self._settle(f"TrainState.save: in {path!r}")
+        # Rank 0 writes; inside dml.join, once rank 0 has joined, the lowest rank with data does.
+        writer = backend.acting_root(0)
+        seq = run_on_root(backend, lambda: _newest(path), root=writer, what=f"TrainState.save: in {path!r}")
+        obj = consolidated_states(backend, self._content())
         snapshots: list[Any] = []
 
         def snapshot() -> None:  # host memory: training may change the live tensors now
-            snapshots.append(rebuilt(state_of(obj), self._copy))
+            state = rebuilt(state_of(obj), self._copy)
+            check_resumable(state, "TrainState.save")
+            snapshots.append(state)
 
-        # Inside a collective: a copy that fails on rank 0 raises on every rank, none is left waiting for it.
-        run_on_root(self.backend, snapshot, what="TrainState.save: copying the state to host memory")
+        # Inside a collective: a copy that fails on the writer raises on every rank, none is left waiting for it.
+        run_on_root(backend, snapshot, root=writer, what="TrainState.save: copying the state to host memory")
         self.saves += 1
         self._last = time.monotonic()
-        if self.backend.rank != 0:
+        if backend.rank != writer:
             return
         target = os.path.join(path, f"state-{seq + 1:08d}.pt")
         self._writer = threading.Thread(target=self._write, args=(snapshots[0], target, path), name="dml-trainstate")
@@ -200,29 +215,66 @@ class TrainState:
     def wait(self) -> None:
         """Wait for the last checkpoint to be written; its failure is raised on every rank. Call it on every rank
         before the run ends (at exit the writer finishes anyway, but a failure would go unreported)."""
-        run_on_root(self.backend, self._join, what="TrainState.wait")
+        self._settle("TrainState.wait")
+
+    def _settle(self, what: str) -> None:
+        """Every rank: its writes done (a rank other than 0 writes inside ``dml.join``); one allgather, and a
+        failed write raised on every rank, in the form ``run_on_root`` raises a failure in."""
+        failure: BaseException | None = None
+        try:
+            self._join()
+        except Exception as e:
+            failure = e
+        mine = None if failure is None else (type(failure).__module__, type(failure).__qualname__, str(failure))
+        reports = allgather_object(self.backend, mine)
+        for rank, report in enumerate(reports):
+            if report is not None:
+                raise remote_error(report, f"{what}: rank {rank}") from (failure if rank == self.backend.rank else None)
 
     def _content(self) -> dict[str, Any]:
-        consumed = self.start
-        if self._data is not None:
+        epoch, consumed = self.epoch, self.start
+        if self._data is not None:  # the container's own epoch and start: set by epochs(), or by the user
+            epoch, start = self._data.epoch, self._data.start
             own = min(self._taken, len(self._data))
-            consumed = min(self._data.num_observations, self.start + own * self.backend.size)
+            consumed = min(self._data.num_observations, start + own * self.backend.size)
+        if self._ended:  # the loop over the epoch's batches is over: the epoch is done
+            epoch, consumed = epoch + 1, 0
+        rng, local = self._gathered()
         return {
             "format": _FORMAT,
             "world_size": self.backend.size,
             **self._objects,
-            "data": {"epoch": self.epoch, "start": consumed},
-            "rng": rng_state_all(self.backend),
+            "data": {"epoch": epoch, "start": consumed},
+            "rng": rng,
             "extra": {name: getattr(self, name) for name in self._extra},
+            "local": local,
             "counters": {"calls": self._calls, "saves": self.saves + 1},
         }
 
-    def _settle(self, path: str) -> int:
-        """Rank 0: the previous write's outcome (raised), the directory made; the newest checkpoint's number."""
-        self._join()
-        os.makedirs(path, exist_ok=True)
-        found = _checkpoints(path)
-        return found[-1][0] if found else 0
+    def _local_values(self) -> dict[str, Any]:
+        """What may differ from rank to rank: the user's values and the model's buffers (BatchNorm's running
+        statistics, which no collective keeps equal unless the layers are synchronized)."""
+        local = {f"extra/{name}": getattr(self, name) for name in self._extra}
+        model = self._objects.get("model")
+        if isinstance(model, torch.nn.Module):
+            params = {id(p) for p in model.parameters()}
+            for key, value in model.state_dict(keep_vars=True).items():
+                if isinstance(value, torch.Tensor) and id(value) not in params:
+                    local[f"buffer/{key}"] = value
+        return local
+
+    def _gathered(self) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
+        """Every rank's RNG states, and every rank's value of each user value or buffer that is not the same on
+        every rank (``{key: [rank 0's, rank 1's, ...]}``): one allgather, a second only when some differ."""
+        local = self._local_values()
+        every = allgather_object(self.backend, (rng_state(), {k: _fingerprint(v) for k, v in local.items()}))
+        mine = every[self.backend.rank][1]
+        keys = sorted(set().union(*(prints for _, prints in every)))
+        differ = [k for k in keys if any(prints.get(k) != mine.get(k) for _, prints in every)]
+        if not differ:
+            return [state for state, _ in every], {}
+        values = allgather_object(self.backend, {k: local.get(k) for k in differ})
+        return [state for state, _ in every], {k: [v.get(k) for v in values] for k in differ}
 
     def _join(self) -> None:
         if self._writer is not None:
@@ -297,9 +349,18 @@ class TrainState:
             if name in self._extra:
                 setattr(self, name, value)
         self._calls, self.saves = ckpt["counters"]["calls"], ckpt["counters"]["saves"]
+        local = ckpt.get("local") or {}
         if ckpt["world_size"] == self.backend.size:
             set_rng_state_all(self.backend, ckpt["rng"])
+            for key, values in local.items():  # each rank's own
+                self._set_local(key, values[self.backend.rank])
         else:
+            if local:
+                warnings.warn(
+                    f"TrainState.resume: saved on {ckpt['world_size']} ranks, resumed on {self.backend.size}: "
+                    f"{', '.join(local)} differed from rank to rank when saved; every rank now holds rank 0's",
+                    stacklevel=3,
+                )
             warnings.warn(
                 f"TrainState.resume: saved on {ckpt['world_size']} ranks, resumed on {self.backend.size}: the model, "
                 "optimizer and data position are restored (the rest of the epoch split over these ranks), the random "
@@ -307,6 +368,49 @@ class TrainState:
                 stacklevel=3,
             )
         self._last = time.monotonic()
+        self._ended = False
+
+    def _set_local(self, key: str, value: Any) -> None:
+        kind, _, name = key.partition("/")
+        if kind == "extra":
+            if name in self._extra:
+                setattr(self, name, value)
+            return
+        model = self._objects.get("model")
+        target = model.state_dict(keep_vars=True).get(name) if isinstance(model, torch.nn.Module) else None
+        if isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
+            with torch.no_grad():
+                target.copy_(value)
+
+
+def _fingerprint(value: Any) -> bytes:
+    """A digest of ``value`` that is the same on two ranks exactly when their values are (tensors by their bytes,
+    the rest by its pickle)."""
+    digest = hashlib.blake2b(digest_size=16)
+
+    def leaf(x: Any, where: str) -> Any:
+        if isinstance(x, torch.Tensor):
+            t = x.detach()
+            digest.update(repr((where, t.dtype, tuple(t.shape), t.layout)).encode())
+            if t.layout != torch.strided:
+                t = t.to_dense()
+            if t.numel():
+                digest.update(t.reshape(-1).contiguous().view(torch.uint8).cpu().numpy())
+            return None
+        return DESCEND
+
+    try:
+        digest.update(pickle.dumps(rebuilt(value, leaf), protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as e:  # unpicklable: the save says so once it writes; alike on every rank here
+        digest.update(f"unpicklable {type(e).__name__}".encode())
+    return digest.digest()
+
+
+def _newest(path: str) -> int:
+    """The writer: the directory made; the newest checkpoint's number in it (0: none)."""
+    os.makedirs(path, exist_ok=True)
+    found = _checkpoints(path)
+    return found[-1][0] if found else 0
 
 
 def _checkpoints(directory: str) -> list[tuple[int, str]]:

@@ -239,6 +239,8 @@ OUTSIDE_PRIVATES = {
     "_timeout": "see _Options",
     "_untyped_storage": "torch's TypedStorage._untyped_storage, as torch.save reads it: the object broadcasts' "
     "storages sent beside the pickle (the public .untyped() warns that TypedStorage is deprecated, on every call)",
+    "_reconstruct": "numpy's multiarray._reconstruct, the global an array's pickle names: allowed by dml.load under "
+    "weights_only, as torch's documentation shows for NumPy arrays",
 }
 
 

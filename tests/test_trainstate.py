@@ -4,6 +4,7 @@ process's random streams."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -297,3 +298,129 @@ def test_an_epoch_resumed_part_way_holds_the_rest_once(  # noqa: PLR0917 - hypot
     assert len(combined) == len(set(combined)), (taken_ids, rest)  # nothing twice
     if not drop_last:
         assert combined == list(range(n)), (taken_ids, rest)  # nothing skipped (drop_last drops tails)
+
+
+class _Versioned(torch.nn.Module):
+    """A module whose state_dict format changed in version 2: version 1 stored ``w`` negated."""
+
+    _version = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.arange(3.0))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):  # type: ignore[no-untyped-def]
+        if local_metadata.get("version", 1) < 2:  # a legacy checkpoint: convert it
+            state_dict[prefix + "w"] = -state_dict[prefix + "w"]
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+
+def test_the_modules_versions_are_saved_so_loading_converts_nothing(tmp_path: Path) -> None:
+    def body(b: dml.Backend) -> list[float]:
+        state = dml.TrainState(b, model=_Versioned())
+        state.save(tmp_path)
+        state.wait()
+        again = dml.TrainState(b, model=_Versioned())
+        with torch.no_grad():
+            again._objects["model"].w.zero_()
+        assert again.resume(tmp_path)
+        return again._objects["model"].w.tolist()
+
+    assert dml.LocalBackend.spawn(2, body) == [[0.0, 1.0, 2.0]] * 2
+
+
+@dataclasses.dataclass
+class Point:
+    """A class of the user's: torch.load(weights_only=True) refuses it unless allowed."""
+
+    x: int = 1
+
+
+def test_numpy_values_resume_and_a_value_resume_cannot_read_is_refused_when_saved(tmp_path: Path) -> None:
+    def body(b: dml.Backend) -> list[object]:
+        state = _state(b, best=np.float64(0.25), seen=np.arange(4, dtype=np.int32), tags=np.array(["a", "bc"]))
+        state.save(tmp_path / "ok")
+        state.wait()
+        again = _state(b, best=None, seen=None, tags=None)
+        assert again.resume(tmp_path / "ok")
+        bad = _state(b, where={"points": [1, Point()]})
+        with pytest.raises(ValueError, match=r"state\['extra'\]\['where'\]\['points'\]\[1\] \(Point\).*weights_only"):
+            bad.save(tmp_path / "bad")
+        return [again.best, again.seen.tolist(), again.tags.tolist(), type(again.best)]
+
+    got = dml.LocalBackend.spawn(2, body)
+    assert got == [[0.25, [0, 1, 2, 3], ["a", "bc"], np.float64]] * 2
+    assert not list((tmp_path / "bad").glob("state-*.pt"))  # nothing written that cannot be resumed
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # a resumed epoch with no batch left
+def test_a_save_after_the_epochs_batches_resumes_at_the_next_epoch(tmp_path: Path) -> None:
+    """Saved inside the loop over batches (after its last batch), the epoch's closing code still runs once after
+    resuming; saved after the loop (after that code), resuming starts the next epoch: each per-epoch scheduler step
+    happens once either way, as in the uninterrupted run."""
+
+    def run(b: dml.Backend, where: Path, inside: bool, stop: int | None) -> tuple[list[float], int]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(1, 1)
+        opt = dml.DistributedOptimizer(b, torch.optim.SGD(model.parameters(), lr=1.0))
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        data = dml.DistributedDataContainer(b, torch.arange(8.0).reshape(8, 1))
+        loader = torch.utils.data.DataLoader(data, batch_size=2)
+        state = dml.TrainState(b, model=model, optimizer=opt, data=data, scheduler=sched, lrs=[], ends=0)
+        state.resume(where)
+        for epoch in state.epochs(3):
+            for xb in state.batches(loader):
+                opt.zero_grad()
+                model(xb).sum().backward()
+                opt.step()
+                state.lrs = [*state.lrs, opt.param_groups[0]["lr"]]
+                if inside and len(state.lrs) % 2 == 0:
+                    state.save(where)  # the last batch of the epoch
+            sched.step()  # the epoch's closing code
+            state.ends += 1
+            if not inside:
+                state.save(where)
+            if epoch == stop:
+                state.wait()
+                return state.lrs, state.ends
+        state.wait()
+        return state.lrs, state.ends
+
+    for inside in (True, False):
+        where = tmp_path / f"inside-{inside}"
+        whole = dml.LocalBackend.spawn(2, run, tmp_path / f"whole-{inside}", inside, None)
+        dml.LocalBackend.spawn(2, run, where, inside, 0)
+        if inside:  # as if the run had died between the save and the epoch's closing code
+            newest = sorted(where.glob("state-*.pt"))[-1]
+            for old in sorted(where.glob("state-*.pt"))[:-1]:
+                old.unlink()
+            assert newest.exists()
+        resumed = dml.LocalBackend.spawn(2, run, where, inside, None)
+        assert resumed == whole, (inside, resumed, whole)
+        assert whole[0] == ([1.0] * 2 + [0.5] * 2 + [0.25] * 2, 3), whole
+
+
+def test_values_and_buffers_that_differ_by_rank_come_back_to_each_rank(tmp_path: Path) -> None:
+    def body(b: dml.Backend) -> tuple[object, ...]:
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+        opt = dml.DistributedOptimizer(b, torch.optim.SGD(model.parameters(), lr=0.1))
+        state = dml.TrainState(b, model=model, optimizer=opt, step=5, seen=[b.rank] * (b.rank + 1))
+        model.train()
+        model(torch.randn(4, 2, generator=torch.Generator().manual_seed(b.rank)))  # rank-local running statistics
+        mean = model[1].running_mean.clone()
+        state.save(tmp_path)
+        state.wait()
+        fresh = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+        again = dml.TrainState(b, model=fresh, step=0, seen=None)
+        assert again.resume(tmp_path)
+        return again.step, again.seen, torch.equal(fresh[1].running_mean, mean), int(fresh[1].num_batches_tracked)
+
+    assert dml.LocalBackend.spawn(3, body) == [(5, [r] * (r + 1), True, 1) for r in range(3)]
+
+    def elsewhere(b: dml.Backend) -> object:
+        again = dml.TrainState(b, model=torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)), seen=0)
+        with pytest.warns(UserWarning, match=r"buffer/1.running_mean, buffer/1.running_var, extra/seen differed"):
+            again.resume(tmp_path)
+        return again.seen
+
+    assert dml.LocalBackend.spawn(1, elsewhere) == [[0]]  # another world size: rank 0's
