@@ -370,8 +370,9 @@ def bcast_object(backend: Backend, obj: Any, *, root: int = 0) -> Any:
         {'lr': 0.1, 'epochs': 3}
     """
     check_backend(backend, "bcast_object")
-    root = backend.acting_root(check_root(backend, root))
+    root = check_root(backend, root)
     with exclusive(backend, "bcast_object"):
+        root = backend.acting_root(root)
         failed = f"bcast_object: the object of rank {root} cannot be pickled"
         return _broadcast(backend, root, lambda: obj, "bcast_object", failed)
 
@@ -386,8 +387,9 @@ def run_on_root(backend: Backend, fn: Callable[[], T], *, root: int = 0, what: s
     (chained from the original exception on root).
     """
     check_backend(backend, what)
-    root = backend.acting_root(check_root(backend, root))
+    root = check_root(backend, root)
     with exclusive(backend, what):
+        root = backend.acting_root(root)
         return _broadcast(backend, root, fn, what, f"{what}: rank {root}")
 
 

@@ -100,8 +100,9 @@ def synchronize(backend: Backend, x: T, root: int = 0) -> T:
         {'epoch': 3, 'scale': tensor([1., 1.])}
     """
     check_backend(backend, "synchronize")
-    root = backend.acting_root(check_root(backend, root))
+    root = check_root(backend, root)
     with exclusive(backend, "synchronize"):
+        root = backend.acting_root(root)
         return _synchronize(backend, x, root)
 
 

@@ -93,6 +93,7 @@ class Join:
         # That allgather was made by a primitive after the last step (a loss averaged after opt.step(), say), not by
         # the forward: a rank may still leave after such calls, so the first forward opens the iteration anew.
         self._tail = False
+        self._tail_call = 0  # the call (Backend.calls_entered) that made or last renewed a tail flag
         self._announcer: int | None = None  # the rank announcing each primitive (None: every rank has data)
         self._depth = 0  # primitives inside a primitive are the outer one's business
         self._hooks: list[Any] = []
@@ -120,7 +121,9 @@ class Join:
         try:
             if not self._flagged:
                 self._flag(active=True)
-                self._tail = True
+                self._tail, self._tail_call = True, self.backend.calls_entered
+            elif self._tail and self.backend.calls_entered != self._tail_call:
+                self._reflag()  # a new call between the step and the forward: a rank may have left before it
             if self._announcer is not None:
                 args = self._to_active_root(name, args)
                 self._send_announcement((name, _describe(name, args)))
@@ -143,14 +146,23 @@ class Join:
         ``root`` has joined. Makes the iteration's flag first, as its first primitive would."""
         if self._depth:  # inside a primitive: _observe reroutes it
             return root
-        if not self._flagged:
-            self.backend._enter("join")
-            try:
+        self.backend._enter("join")  # inside the caller's collective: counts as part of it
+        try:
+            if not self._flagged:
                 self._flag(active=True)
-                self._tail = True
-            finally:
-                self.backend._leave()
+                self._tail, self._tail_call = True, self.backend.calls_entered
+            elif self._tail and self.backend.calls_entered != self._tail_call:
+                self._reflag()
+        finally:
+            self.backend._leave()
         return root if self._announcer is None or root in self._active else self._announcer
+
+    def _reflag(self) -> None:
+        """Between the step and the forward, each call of its own: close the announced part (if any) and ask again
+        who has data, so that a rank that left the loop after the previous call is known before this one."""
+        self._end_announced()
+        self._flag(active=True)
+        self._tail_call = self.backend.calls_entered
 
     def _before_forward(self, *_: Any) -> None:
         if self._flagged and not self._tail:

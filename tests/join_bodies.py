@@ -202,20 +202,20 @@ def rooted_calls_body(backend: dml.Backend, batches: tuple[int, ...], root: int)
 
 
 def calls_around_the_step_body(backend: dml.Backend, batches: tuple[int, ...], where: str) -> None:
-    """A loss-like sum in every iteration, made before the forward or after the step (a rank may leave right after
-    it): the ranks with a batch t sum their ones, the joined ones add zeros."""
+    """Loss-like sums in every iteration, made before the forward, after the step (a rank may leave right after
+    them) or both: the ranks with a batch t sum their ones, the joined ones add zeros."""
     rank = backend.rank
     model = _model(False)
     opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1))
     with dml.join(backend, opt, model):
         for t in range(batches[rank]):
             want = float(sum(b > t for b in batches))
-            if where == "before":
+            if where in {"before", "both"}:
                 assert dml.allreduce(backend, torch.ones(2), dml.SUM).tolist() == [want] * 2, (t, batches)
             opt.zero_grad()
             model(_batch(rank, t)).pow(2).mean().backward()
             opt.step()
-            if where == "after":
+            if where in {"after", "both"}:
                 assert dml.allreduce(backend, torch.ones(2), dml.SUM).tolist() == [want] * 2, (t, batches)
                 assert dml.bcast_object(backend, rank) == (
                     0 if batches[0] > t else min(r for r, b in enumerate(batches) if b > t)

@@ -98,6 +98,8 @@ class Backend(abc.ABC):
     #: The CUDA device index whose buffers ``_device_collective`` takes (NCCL's communicator is bound
     #: to one GPU); None: buffers on any GPU.
     device: int | None = None
+    _held = 0  # the depth of _enter calls of the thread holding the backend
+    _entered = 0  # outermost _enter calls so far (calls_entered)
 
     def __init__(self) -> None:
         # Held by the thread inside a public collective (re-entrant: composite calls nest).
@@ -123,9 +125,20 @@ class Backend(abc.ABC):
             if comm is None or not comm.holds:
                 raise busy(self, caller)
             self._entry.acquire()
+        self._held += 1  # only the holder of the lock counts
+        if self._held == 1:
+            self._entered += 1
 
     def _leave(self) -> None:
+        self._held -= 1
         self._entry.release()
+
+    @property
+    def calls_entered(self) -> int:
+        """How many outermost collectives (public calls) were entered on this backend so far: calls nested in
+        another (a composite call's parts) do not count. ``dml.join`` tells one call of the user's from the next
+        by it."""
+        return self._entered
 
     def in_collective(self) -> bool:
         """Whether the calling thread is inside one of this backend's collectives now."""
