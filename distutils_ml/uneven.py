@@ -164,7 +164,11 @@ class Join:
         self._flag(active=True)
         self._tail_call = self.backend.calls_entered
 
-    def _before_forward(self, *_: Any) -> None:
+    def _before_forward(self, module: torch.nn.Module, *_: Any) -> None:
+        if not (torch.is_grad_enabled() and module.training):  # an evaluation: a rank may leave after it
+            if not self._flagged or self._tail:
+                self._root_now(0)  # as a call of the user's between the step and the training forward
+            return
         if self._flagged and not self._tail:
             return
         self.backend._enter("join")

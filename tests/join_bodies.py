@@ -6,6 +6,7 @@ iteration t, averages the losses of the ranks that still have a batch t and step
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from dataclasses import dataclass
@@ -201,6 +202,10 @@ def rooted_calls_body(backend: dml.Backend, batches: tuple[int, ...], root: int)
     assert fresh.step == max(batches), (fresh.step, batches)
 
 
+#: Where calls_around_the_step_body makes its calls.
+AROUND = ("before", "after", "both", "evaluate")
+
+
 def calls_around_the_step_body(backend: dml.Backend, batches: tuple[int, ...], where: str) -> None:
     """Loss-like sums in every iteration, made before the forward, after the step (a rank may leave right after
     them) or both: the ranks with a batch t sum their ones, the joined ones add zeros."""
@@ -217,6 +222,13 @@ def calls_around_the_step_body(backend: dml.Backend, batches: tuple[int, ...], w
             opt.step()
             if where in {"after", "both"}:
                 assert dml.allreduce(backend, torch.ones(2), dml.SUM).tolist() == [want] * 2, (t, batches)
+            if where == "evaluate":  # a validation forward after the step (eval mode, or no_grad), its loss averaged
+                model.eval()
+                with torch.no_grad() if t % 2 else contextlib.nullcontext():
+                    loss = model(_batch(rank, 50 + t)).pow(2).mean()
+                model.train()
+                assert dml.allreduce(backend, torch.ones(2), dml.SUM).tolist() == [want] * 2, (t, batches)
+                assert torch.isfinite(loss)
                 assert dml.bcast_object(backend, rank) == (
                     0 if batches[0] > t else min(r for r, b in enumerate(batches) if b > t)
                 )

@@ -31,7 +31,7 @@ def main(names: list[str]) -> None:
         "around": lambda: hypothesis_check(
             world,
             lambda b, case: join_bodies.calls_around_the_step_body(b, *case),
-            st.tuples(join_bodies.join_uneven_batches(world.size), st.sampled_from(["before", "after", "both"])),
+            st.tuples(join_bodies.join_uneven_batches(world.size), st.sampled_from(join_bodies.AROUND)),
             6,
         ),
     }

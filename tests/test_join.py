@@ -92,6 +92,6 @@ def test_rooted_calls_come_from_a_rank_with_data_once_their_root_has_joined(
 
 
 @settings(max_examples=25, deadline=None)
-@given(batches=join_bodies.join_uneven_batches(), where=st.sampled_from(["before", "after", "both"]))
+@given(batches=join_bodies.join_uneven_batches(), where=st.sampled_from(join_bodies.AROUND))
 def test_collectives_before_the_forward_after_the_step_or_both(batches: tuple[int, ...], where: str) -> None:
     dml.LocalBackend.spawn(len(batches), join_bodies.calls_around_the_step_body, batches, where, timeout=60)
