@@ -537,6 +537,9 @@ def _numpy_globals() -> list[Any]:
     except ImportError:  # pragma: no cover - NumPy 1
         from numpy.core import multiarray  # type: ignore[no-redef]
     allowed: list[Any] = [multiarray._reconstruct, multiarray.scalar, np.ndarray, np.dtype]
+    # The names NumPy 1 pickles them by (numpy.core), for checkpoints written there and read under NumPy 2.
+    allowed += [(multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+                (multiarray.scalar, "numpy.core.multiarray.scalar")]  # fmt: skip
     kinds = getattr(np, "dtypes", None)  # the dtypes' classes (NumPy >= 1.25), which some pickles name
     if kinds is not None:
         allowed += [k for n in dir(kinds) if n.endswith("DType") and isinstance(k := getattr(kinds, n), type)]

@@ -32,7 +32,10 @@ older ones.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -40,6 +43,7 @@ import re
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -137,7 +141,10 @@ class TrainState:
         #: process took it up (a resumed epoch).
         self.epoch, self.start = (data.epoch, data.start) if data is not None else (0, 0)
         self._taken = 0  # observations this rank took this epoch, in this process (batches)
-        self._ended = False  # this epoch's loop over batches is over
+        self._ended = False  # this epoch's loop over batches is over (run out, or left by a break)
+        self._looping = False  # inside a loop over batches() now
+        self._loop_at: tuple[int, int] | None = None  # the container's (epoch, start) when that loop began
+        self._counting = False  # epochs() keeps the epoch (else the container's set_epoch, by the user, does)
         self._calls = 0  # save_if_due calls, over the whole run
         self._last = time.monotonic()
         #: Checkpoints written by this run (counting those of the runs it resumed).
@@ -145,12 +152,14 @@ class TrainState:
         self._writer: threading.Thread | None = None
         self._failed: BaseException | None = None
         self._host: dict[str, torch.Tensor] = {}  # rank 0's host copy, reused from save to save
+        self._seq = 0  # the number of the last checkpoint this run wrote (as every rank saving learned it)
 
     # -- the loop ------------------------------------------------------------------------------------------------
 
     def epochs(self, count: int) -> Iterator[int]:
         """The epochs from the one the run stands in up to ``count`` (exclusive), each set on the container first
         (the resumed one part way)."""
+        self._counting = True
         while self.epoch < count:
             if self._data is not None:
                 self._data.set_epoch(self.epoch, self.start)
@@ -160,12 +169,31 @@ class TrainState:
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
         """``loader``'s batches, counted: each batch's observations count as consumed once it is yielded. Use one
         such loop per epoch. Once it is over, the epoch counts as done: a save from then on (after the epoch's
-        own closing code, a per-epoch scheduler step say) resumes at the next epoch."""
+        own closing code, a per-epoch scheduler step say) resumes at the next epoch; a loop left by ``break``
+        counts as over too.
+
+        Raises:
+            RuntimeError: another loop over ``batches`` is running (count the training loader only: iterate an
+                evaluation loader directly).
+        """
+        if self._looping:
+            raise RuntimeError(
+                "TrainState.batches: a loop over batches() is already running; it counts the training data's "
+                "position, so use it for the training loader only (iterate an evaluation loader directly)"
+            )
         self._taken, self._ended = 0, False
-        for batch in loader:
-            self._taken += _batch_len(batch)
-            yield batch
-        self._ended = True
+        self._loop_at = None if self._data is None else (self._data.epoch, self._data.start)
+        self._looping = True
+        try:
+            for batch in loader:
+                self._taken += _batch_len(batch)
+                yield batch
+            self._ended = True
+        except GeneratorExit:  # closed by a break out of the loop (an error in it ends the run instead)
+            self._ended = True
+            raise
+        finally:
+            self._looping = False
 
     # -- saving --------------------------------------------------------------------------------------------------
 
@@ -193,7 +221,12 @@ class TrainState:
         self._settle(f"TrainState.save: in {path!r}")
         # Rank 0 writes; inside dml.join, once rank 0 has joined, the lowest rank with data does.
         writer = backend.acting_root(0)
-        seq = run_on_root(backend, lambda: _newest(path), root=writer, what=f"TrainState.save: in {path!r}")
+        # The number after the newest on disk and after the last this run gave (inside dml.join a rank that has
+        # joined may still be writing that one: another rank, now the writer, must not take its number).
+        seq = run_on_root(
+            backend, lambda: max(_newest(path), self._seq), root=writer, what=f"TrainState.save: in {path!r}"
+        )
+        self._seq = seq + 1
         obj = consolidated_states(backend, self._content())
         snapshots: list[Any] = []
 
@@ -233,11 +266,16 @@ class TrainState:
 
     def _content(self) -> dict[str, Any]:
         epoch, consumed = self.epoch, self.start
-        if self._data is not None:  # the container's own epoch and start: set by epochs(), or by the user
-            epoch, start = self._data.epoch, self._data.start
-            own = min(self._taken, len(self._data))
-            consumed = min(self._data.num_observations, start + own * self.backend.size)
-        if self._ended:  # the loop over the epoch's batches is over: the epoch is done
+        taken, ended = self._taken, self._ended
+        data = self._data
+        if data is not None:
+            if not self._counting:  # the user sets the container's epochs: it says where the run stands
+                epoch, consumed = data.epoch, data.start
+            if self._loop_at != (data.epoch, data.start):  # the last loop over batches was another epoch's
+                taken, ended = 0, False
+            own = min(taken, len(data))
+            consumed = min(data.num_observations, consumed + own * self.backend.size)
+        if ended:  # the loop over the epoch's batches is over: the epoch is done
             epoch, consumed = epoch + 1, 0
         rng, local = self._gathered()
         return {
@@ -268,6 +306,12 @@ class TrainState:
         every rank (``{key: [rank 0's, rank 1's, ...]}``): one allgather, a second only when some differ."""
         local = self._local_values()
         every = allgather_object(self.backend, (rng_state(), {k: _fingerprint(v) for k, v in local.items()}))
+        for rank, (_, prints) in enumerate(every):  # a value that cannot be pickled: named, on every rank
+            bad = next((k for k, p in prints.items() if isinstance(p, str)), None)
+            if bad is not None:
+                kind, _, name = bad.partition("/")
+                place = f"state['extra'][{name!r}]" if kind == "extra" else f"the model's {name!r}"
+                raise TypeError(f"TrainState.save: {place} cannot be saved: {prints[bad]} (on rank {rank})")
         mine = every[self.backend.rank][1]
         keys = sorted(set().union(*(prints for _, prints in every)))
         differ = [k for k in keys if any(prints.get(k) != mine.get(k) for _, prints in every)]
@@ -288,7 +332,10 @@ class TrainState:
         """A tensor's copy in this state's host buffer for its place (the previous write is done: it is free).
         Reused, so a save after the first touches no fresh memory (fresh pages cost 2-20x the copy here)."""
         if not isinstance(obj, torch.Tensor):
-            return DESCEND
+            if type(obj) in (dict, OrderedDict, list, tuple) or _is_record(obj):
+                return DESCEND
+            # NumPy arrays, sets, bytearrays, objects: copied as they are now (the writer runs later)
+            return copy.deepcopy(obj)
         if obj.layout != torch.strided or _overlaps(obj):  # sparse; expand()ed: no buffer of its strides holds it
             return obj.detach().clone()
         have = self._host.get(where)
@@ -352,8 +399,7 @@ class TrainState:
         local = ckpt.get("local") or {}
         if ckpt["world_size"] == self.backend.size:
             set_rng_state_all(self.backend, ckpt["rng"])
-            for key, values in local.items():  # each rank's own
-                self._set_local(key, values[self.backend.rank])
+            self._set_local({key: values[self.backend.rank] for key, values in local.items()})  # each rank's own
         else:
             if local:
                 warnings.warn(
@@ -370,40 +416,60 @@ class TrainState:
         self._last = time.monotonic()
         self._ended = False
 
-    def _set_local(self, key: str, value: Any) -> None:
-        kind, _, name = key.partition("/")
-        if kind == "extra":
-            if name in self._extra:
-                setattr(self, name, value)
-            return
+    def _set_local(self, values: dict[str, Any]) -> None:
+        """Set this rank's own saved ``{key: value}`` (``extra/<name>``, ``buffer/<state dict key>``)."""
         model = self._objects.get("model")
-        target = model.state_dict(keep_vars=True).get(name) if isinstance(model, torch.nn.Module) else None
-        if isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
-            with torch.no_grad():
-                target.copy_(value)
+        live = model.state_dict(keep_vars=True) if isinstance(model, torch.nn.Module) else {}
+        for key, value in values.items():
+            kind, _, name = key.partition("/")
+            if kind == "extra":
+                if name in self._extra:
+                    setattr(self, name, value)
+                continue
+            target = live.get(name)
+            if isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
+                with torch.no_grad():
+                    target.copy_(value)
 
 
-def _fingerprint(value: Any) -> bytes:
+def _is_record(obj: Any) -> bool:
+    """A namedtuple or a dataclass instance: ``rebuilt`` rebuilds them around their items."""
+    return (isinstance(obj, tuple) and hasattr(type(obj), "_fields")) or (
+        dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+    )
+
+
+def _tensor_digest(t: torch.Tensor) -> bytes:
+    t = t.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    t = t.resolve_conj().resolve_neg()
+    head = repr((t.dtype, tuple(t.shape))).encode()
+    if not t.numel():
+        return head
+    return head + hashlib.blake2b(t.reshape(-1).contiguous().view(torch.uint8).cpu().numpy(), digest_size=16).digest()
+
+
+class _DigestPickler(pickle.Pickler):
+    """Pickles a value with each tensor in place of a digest of its bytes (C speed for the builtin containers)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return bytes, (_tensor_digest(obj),)
+        return NotImplemented
+
+
+def _fingerprint(value: Any) -> bytes | str:
     """A digest of ``value`` that is the same on two ranks exactly when their values are (tensors by their bytes,
-    the rest by its pickle)."""
-    digest = hashlib.blake2b(digest_size=16)
-
-    def leaf(x: Any, where: str) -> Any:
-        if isinstance(x, torch.Tensor):
-            t = x.detach()
-            digest.update(repr((where, t.dtype, tuple(t.shape), t.layout)).encode())
-            if t.layout != torch.strided:
-                t = t.to_dense()
-            if t.numel():
-                digest.update(t.reshape(-1).contiguous().view(torch.uint8).cpu().numpy())
-            return None
-        return DESCEND
-
+    the rest by its pickle); for a value that cannot be pickled, why (a str)."""
+    out = io.BytesIO()
     try:
-        digest.update(pickle.dumps(rebuilt(value, leaf), protocol=pickle.HIGHEST_PROTOCOL))
-    except Exception as e:  # unpicklable: the save says so once it writes; alike on every rank here
-        digest.update(f"unpicklable {type(e).__name__}".encode())
-    return digest.digest()
+        _DigestPickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        return f"{type(e).__name__}: {e}"
+    except Exception:  # a tensor that cannot be digested: gathered, as differing
+        return os.urandom(16)
+    return hashlib.blake2b(out.getbuffer(), digest_size=16).digest()
 
 
 def _newest(path: str) -> int:

@@ -114,6 +114,13 @@ def test_keeps_the_newest_checkpoints_and_resumes_the_newest(tmp_path: Path, wor
     assert _files(tmp_path) == ["state-00000004.pt", "state-00000005.pt"]
 
 
+class Unreadable(torch.Tensor):
+    """A tensor whose copy (and digest) fails."""
+
+    def detach(self) -> torch.Tensor:
+        raise RuntimeError("no copy of this one")
+
+
 def test_expanded_and_sparse_tensors_are_saved_and_a_failed_copy_raises_on_every_rank(tmp_path: Path) -> None:
     """An expand()ed or a sparse tensor among the values saves and resumes (rank 0's host copy raised alone after
     the collectives, and the other ranks went on to wait in their next one); a copy that fails raises on every
@@ -128,10 +135,6 @@ def test_expanded_and_sparse_tensors_are_saved_and_a_failed_copy_raises_on_every
         again = dml.TrainState(b, model=torch.nn.Linear(2, 1), mask=torch.zeros(2, 3), sparse=torch.zeros(4))
         assert again.resume(tmp_path)
         assert torch.equal(again.mask, mask) and torch.equal(again.sparse.to_dense(), sparse.to_dense())
-
-        class Unreadable(torch.Tensor):  # a tensor whose copy fails on rank 0
-            def detach(self) -> torch.Tensor:
-                raise RuntimeError("no copy of this one")
 
         broken = dml.TrainState(b, model=torch.nn.Linear(2, 1), bad=torch.zeros(2).as_subclass(Unreadable))
         with pytest.raises(RuntimeError, match="no copy of this one"):
@@ -359,17 +362,19 @@ def test_a_save_after_the_epochs_batches_resumes_at_the_next_epoch(tmp_path: Pat
     resuming; saved after the loop (after that code), resuming starts the next epoch: each per-epoch scheduler step
     happens once either way, as in the uninterrupted run."""
 
-    def run(b: dml.Backend, where: Path, inside: bool, stop: int | None) -> tuple[list[float], int]:
+    def run(b: dml.Backend, where: Path, inside: bool, stop: int | None, cap: int = 9) -> tuple[list[float], int]:
         torch.manual_seed(0)
         model = torch.nn.Linear(1, 1)
         opt = dml.DistributedOptimizer(b, torch.optim.SGD(model.parameters(), lr=1.0))
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-        data = dml.DistributedDataContainer(b, torch.arange(8.0).reshape(8, 1))
-        loader = torch.utils.data.DataLoader(data, batch_size=2)
+        data = dml.DistributedDataContainer(b, torch.arange(8.0 * cap).reshape(-1, 1)[:8])
+        loader = torch.utils.data.DataLoader(data, batch_size=2 if cap == 9 else 1)
         state = dml.TrainState(b, model=model, optimizer=opt, data=data, scheduler=sched, lrs=[], ends=0)
         state.resume(where)
         for epoch in state.epochs(3):
-            for xb in state.batches(loader):
+            for k, xb in enumerate(state.batches(loader)):
+                if k == cap:  # steps per epoch capped: the loop is left by a break
+                    break
                 opt.zero_grad()
                 model(xb).sum().backward()
                 opt.step()
@@ -386,40 +391,133 @@ def test_a_save_after_the_epochs_batches_resumes_at_the_next_epoch(tmp_path: Pat
         state.wait()
         return state.lrs, state.ends
 
-    for inside in (True, False):
-        where = tmp_path / f"inside-{inside}"
-        whole = dml.LocalBackend.spawn(2, run, tmp_path / f"whole-{inside}", inside, None)
-        dml.LocalBackend.spawn(2, run, where, inside, 0)
+    for inside, cap in ((True, 9), (False, 9), (False, 2)):
+        where = tmp_path / f"inside-{inside}-{cap}"
+        whole = dml.LocalBackend.spawn(2, run, tmp_path / f"whole-{inside}-{cap}", inside, None, cap)
+        dml.LocalBackend.spawn(2, run, where, inside, 0, cap)
         if inside:  # as if the run had died between the save and the epoch's closing code
             newest = sorted(where.glob("state-*.pt"))[-1]
             for old in sorted(where.glob("state-*.pt"))[:-1]:
                 old.unlink()
             assert newest.exists()
-        resumed = dml.LocalBackend.spawn(2, run, where, inside, None)
-        assert resumed == whole, (inside, resumed, whole)
+        resumed = dml.LocalBackend.spawn(2, run, where, inside, None, cap)
+        assert resumed == whole, (inside, cap, resumed, whole)
         assert whole[0] == ([1.0] * 2 + [0.5] * 2 + [0.25] * 2, 3), whole
+        again = dml.LocalBackend.spawn(2, run, where, inside, None, cap)  # a run saved at its end: nothing left
+        assert again == whole, (inside, cap, again, whole)
+
+
+def test_epochs_set_by_hand_and_a_loop_over_batches_inside_another(tmp_path: Path) -> None:
+    def body(b: dml.Backend) -> tuple[dict[str, int], list[int]]:
+        data = dml.DistributedDataContainer(b, torch.arange(8.0).reshape(8, 1))
+        loader = torch.utils.data.DataLoader(data, batch_size=2)
+        state = dml.TrainState(b, data=data)
+        for epoch in range(2):  # the container's epochs set by hand, not by state.epochs
+            data.set_epoch(epoch)
+            if epoch == 1:
+                state.save(tmp_path)  # before the epoch's first batch: the epoch is still all to do
+            for _ in state.batches(loader):
+                with pytest.raises(RuntimeError, match="already running"):
+                    next(iter(state.batches(loader)))
+        state.wait()
+        again = dml.TrainState(b, data=dml.DistributedDataContainer(b, torch.arange(8.0).reshape(8, 1)))
+        assert again.resume(tmp_path)
+        return {"epoch": again.epoch, "start": again.start}, [again.epoch for _ in again.epochs(2)]
+
+    assert dml.LocalBackend.spawn(2, body) == [({"epoch": 1, "start": 0}, [1])] * 2
+
+
+def test_what_a_save_holds_is_the_state_at_the_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NumPy arrays, sets and bytearrays among the values are copied at the call, as tensors are: the write runs
+    later (slowed here), while training changes them."""
+    real = ts.write_atomic
+
+    def slow(state: object, path: str) -> None:
+        time.sleep(0.3)
+        real(state, path)
+
+    monkeypatch.setattr(ts, "write_atomic", slow)
+
+    def body(b: dml.Backend) -> list[object]:
+        state = _state(b, hist=np.zeros(3), ids={1}, raw=bytearray(b"a"))
+        state.save(tmp_path)
+        state.hist[:] = 9.0
+        state.ids.add(2)
+        state.raw[:] = b"z"
+        state.wait()
+        again = _state(b, hist=None, ids=None, raw=None)
+        assert again.resume(tmp_path)
+        return [again.hist.tolist(), again.ids, bytes(again.raw)]
+
+    assert dml.LocalBackend.spawn(2, body) == [[[0.0, 0.0, 0.0], {1}, b"a"]] * 2
+
+
+def test_inside_join_a_rank_that_writes_after_a_joined_one_takes_the_next_number(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = ts.write_atomic
+
+    def slow(state: object, path: str) -> None:
+        if path.endswith("state-00000001.pt"):
+            time.sleep(0.5)  # still writing when its rank has joined and another writes the next one
+        real(state, path)
+
+    monkeypatch.setattr(ts, "write_atomic", slow)
+
+    def body(b: dml.Backend) -> int:
+        model = torch.nn.Linear(2, 1)
+        opt = dml.DistributedOptimizer(b, torch.optim.SGD(model.parameters(), lr=0.1))
+        state = dml.TrainState(b, model=model, optimizer=opt, step=0)
+        with dml.join(b, opt, model):
+            for _ in range(1 + b.rank):
+                opt.zero_grad()
+                model(torch.ones(1, 2)).sum().backward()
+                opt.step()
+                state.step += 1
+                state.save(tmp_path)
+        state.wait()
+        again = dml.TrainState(b, model=torch.nn.Linear(2, 1), step=0)
+        assert again.resume(tmp_path)
+        return again.step
+
+    assert dml.LocalBackend.spawn(2, body) == [2, 2]
+    assert _files(tmp_path) == ["state-00000001.pt", "state-00000002.pt"]
+
+
+def test_a_value_that_cannot_be_pickled_is_named(tmp_path: Path) -> None:
+    def body(b: dml.Backend) -> None:
+        state = _state(b, hook=(lambda: 1) if b.rank == 1 else 0)
+        with pytest.raises(TypeError, match=r"state\['extra'\]\['hook'\] cannot be saved: .*pickle.*\(on rank 1\)"):
+            state.save(tmp_path)
+
+    dml.LocalBackend.spawn(2, body)
 
 
 def test_values_and_buffers_that_differ_by_rank_come_back_to_each_rank(tmp_path: Path) -> None:
     def body(b: dml.Backend) -> tuple[object, ...]:
         model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
         opt = dml.DistributedOptimizer(b, torch.optim.SGD(model.parameters(), lr=0.1))
-        state = dml.TrainState(b, model=model, optimizer=opt, step=5, seen=[b.rank] * (b.rank + 1))
+        odd = torch.tensor([1j, float(b.rank)]).conj()  # a conjugate view: its digest resolves the bit
+        state = dml.TrainState(b, model=model, optimizer=opt, step=5, seen=[b.rank] * (b.rank + 1), odd=odd)
         model.train()
         model(torch.randn(4, 2, generator=torch.Generator().manual_seed(b.rank)))  # rank-local running statistics
         mean = model[1].running_mean.clone()
         state.save(tmp_path)
         state.wait()
         fresh = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
-        again = dml.TrainState(b, model=fresh, step=0, seen=None)
+        again = dml.TrainState(b, model=fresh, step=0, seen=None, odd=None)
         assert again.resume(tmp_path)
-        return again.step, again.seen, torch.equal(fresh[1].running_mean, mean), int(fresh[1].num_batches_tracked)
+        back = (again.step, again.seen, torch.equal(fresh[1].running_mean, mean), int(fresh[1].num_batches_tracked))
+        return (*back, again.odd.tolist())
 
-    assert dml.LocalBackend.spawn(3, body) == [(5, [r] * (r + 1), True, 1) for r in range(3)]
+    got = dml.LocalBackend.spawn(3, body)
+    assert got == [(5, [r] * (r + 1), True, 1, [-1j, complex(r)]) for r in range(3)], got
 
     def elsewhere(b: dml.Backend) -> object:
-        again = dml.TrainState(b, model=torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)), seen=0)
-        with pytest.warns(UserWarning, match=r"buffer/1.running_mean, buffer/1.running_var, extra/seen differed"):
+        again = dml.TrainState(
+            b, model=torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)), seen=0, odd=None
+        )
+        with pytest.warns(UserWarning, match=r"buffer/1.running_mean, buffer/1.running_var, extra/odd, extra/seen"):
             again.resume(tmp_path)
         return again.seen
 
