@@ -66,8 +66,11 @@ class BufferBroadcast:
 
     def _sync(self, *, send: bool) -> bool:
         """Agree on the buffers across ranks, then (``send``) broadcast root's; return whether there are any."""
-        backend, root, is_root = self._backend, self._root, self._backend.rank == self._root
+        backend = self._backend
         with exclusive(backend, "broadcast_buffers"):
+            # rank root's buffers; inside dml.join, once root has joined, a rank with data's
+            root = backend.acting_root(self._root)
+            is_root = backend.rank == root
             failure: Exception | None = None
             listing: list[tuple[Any, ...]] = []
             buffers: list[torch.Tensor] = []

@@ -14,7 +14,7 @@ import threading
 
 from distutils_ml.watchdog import thread_setting
 
-__all__ = ["joined_ranks_send_zeros", "zeros_requested"]
+__all__ = ["joined_ranks_send_zeros", "world_average", "world_average_requested", "zeros_requested"]
 
 _LOCAL = threading.local()
 
@@ -29,3 +29,15 @@ def joined_ranks_send_zeros() -> contextlib.AbstractContextManager[None]:
 def zeros_requested() -> bool:
     """Whether this thread is inside :func:`joined_ranks_send_zeros`."""
     return bool(getattr(_LOCAL, "zeros", False))
+
+
+def world_average() -> contextlib.AbstractContextManager[None]:
+    """Inside ``dml.join``: ``dml.AVG`` in this block divides by the world size, as outside it, for a caller that
+    rescales the result itself (the gradient reducer: :meth:`DistributedOptimizer.average_over`). Elsewhere in
+    the block an average is over the ranks that have data."""
+    return thread_setting(_LOCAL, "world", True)
+
+
+def world_average_requested() -> bool:
+    """Whether this thread is inside :func:`world_average`."""
+    return bool(getattr(_LOCAL, "world", False))

@@ -160,6 +160,7 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._passes_per_step = backward_passes_per_step
         self._passes = 0  # backward passes of this step that reached the pass count
         self._phase = Phase.CLEAN
+        self._rounds = 0  # backward passes whose gradients were reduced (rounds_reduced)
         # a round that stepped parameters (step_during_backward) ended well, and step() has not run since:
         # load_state_dict() refuses (the same on every rank that reduced, whatever each stepped itself)
         self._stepped_round = False
@@ -277,6 +278,13 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     def _backward_reduced(self) -> None:
         self._advance("backward_reduced")
+        self._rounds += 1
+
+    @property
+    def rounds_reduced(self) -> int:
+        """How many backward passes had their gradients reduced so far (``dml.join`` tells a training forward of
+        the next iteration from a second one of the same by it, when a step was skipped: a ``GradScaler``'s)."""
+        return self._rounds
 
     # -- forwarded state -------------------------------------------------------------------
 

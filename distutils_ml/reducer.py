@@ -41,6 +41,7 @@ from distutils_ml.buckets import (
 )
 from distutils_ml.collectives import allgather, allreduce
 from distutils_ml.gloo import GlooTransport
+from distutils_ml.joined import world_average
 from distutils_ml.objects import allgather_object, digest
 from distutils_ml.sparse import sparse_allreduce
 from distutils_ml.transport import transport_for
@@ -392,7 +393,8 @@ class GradientReducer(BucketMachine):
                 )
             elif g.layout == torch.strided:
                 g = g.detach().to_sparse(sparse_dim=1)
-            state.sparse[i] = sparse_allreduce(backend, g.detach(), self.op)
+            with world_average():  # averaged over the world; join's scale makes it the ranks with data
+                state.sparse[i] = sparse_allreduce(backend, g.detach(), self.op)
 
     def _communicate(self, backend: Backend, k: int, tensor: torch.Tensor) -> None:
         bucket = self._buckets[k]
@@ -511,7 +513,8 @@ def _reduce(backend: Backend, ring: GlooTransport | None, tensor: torch.Tensor, 
         return
     if ring is not None:
         ring.settle()
-    allreduce(backend, tensor, op)
+    with world_average():  # averaged over the world; join's scale (average_over) makes it the ranks with data
+        allreduce(backend, tensor, op)
 
 
 def agree_on_settings(

@@ -33,7 +33,7 @@ import torch
 
 from distutils_ml.backends.base import Backend, ReduceOp, check_backend
 from distutils_ml.buffers import BufferBroadcast
-from distutils_ml.joined import joined_ranks_send_zeros, zeros_requested
+from distutils_ml.joined import joined_ranks_send_zeros, world_average_requested, zeros_requested
 from distutils_ml.optimizer import DistributedOptimizer
 from distutils_ml.sharded import ShardedOptimizer
 from distutils_ml.synchronize import synchronize
@@ -44,6 +44,8 @@ __all__ = ["Join", "join", "joined_ranks_send_zeros"]
 _END = "end of iteration"
 #: Where the root is among a primitive's arguments.
 _ROOT_ARG = {"_bcast": 1, "_bcast_bytes": 1, "_reduce": 3, "_device_collective": 4}
+#: Where the reduction op is among a primitive's arguments (dml.AVG over the ranks with data).
+_OP_ARG = {"_allreduce": 2, "_reduce": 2, "_reduce_scatter": 2, "_device_collective": 3}
 
 
 class Join:
@@ -94,6 +96,7 @@ class Join:
         # the forward: a rank may still leave after such calls, so the first forward opens the iteration anew.
         self._tail = False
         self._tail_call = 0  # the call (Backend.calls_entered) that made or last renewed a tail flag
+        self._rounds = 0  # the optimizers' reduced backward passes when the training forward made the flag
         self._announcer: int | None = None  # the rank announcing each primitive (None: every rank has data)
         self._depth = 0  # primitives inside a primitive are the outer one's business
         self._hooks: list[Any] = []
@@ -105,6 +108,11 @@ class Join:
     def __enter__(self) -> Join:
         if self._entered:
             raise RuntimeError("join: this context is already in use; make one per loop (with dml.join(...): ...)")
+        if self.backend.observed:
+            raise RuntimeError(
+                "join: a dml.join (or another observer) is already open on this backend; one join covers the whole "
+                "loop: open it once, around the outermost loop whose ranks may run out of data"
+            )
         self._entered = True
         for opt in self._optimizers:
             opt.prepare()  # the buckets and their agreement, now: a rank without data has them too
@@ -124,10 +132,18 @@ class Join:
                 self._tail, self._tail_call = True, self.backend.calls_entered
             elif self._tail and self.backend.calls_entered != self._tail_call:
                 self._reflag()  # a new call between the step and the forward: a rank may have left before it
-            if self._announcer is not None:
-                args = self._to_active_root(name, args)
-                self._send_announcement((name, _describe(name, args)))
-            return original(*args)
+            if self._announcer is None:
+                return original(*args)
+            args = self._to_active_root(name, args)
+            averaged = name in _OP_ARG and args[_OP_ARG[name]] is ReduceOp.AVG and not world_average_requested()
+            if averaged:  # summed here, then divided by the ranks with data (the joined ones add zeros)
+                where = _OP_ARG[name]
+                args = (*args[:where], ReduceOp.SUM, *args[where + 1 :])
+            self._send_announcement((name, _describe(name, args)))
+            result = original(*args)
+            if averaged:
+                _divide_result(name, args, len(self._active), self.backend.rank)
+            return result
         finally:
             self._depth -= 1
 
@@ -169,16 +185,22 @@ class Join:
             if not self._flagged or self._tail:
                 self._root_now(0)  # as a call of the user's between the step and the training forward
             return
-        if self._flagged and not self._tail:
-            return
+        if self._flagged and not self._tail and self._reduced() == self._rounds:
+            return  # a second forward of the same iteration
         self.backend._enter("join")
         try:
-            if self._flagged:  # calls after the last step opened this iteration: a rank may have left since
+            # Calls after the last step opened this iteration, or a step was skipped (a GradScaler's, after
+            # gradients were reduced): a rank may have left since.
+            if self._flagged:
                 self._end_announced()
             self._flag(active=True)
-            self._tail = False
+            self._tail, self._rounds = False, self._reduced()
         finally:
             self.backend._leave()
+
+    def _reduced(self) -> int:
+        """The backward passes the optimizers reduced so far."""
+        return sum(opt.rounds_reduced for opt in self._optimizers)
 
     def _end_announced(self) -> None:
         """Close an iteration whose primitives were announced (some rank had joined): the joined ranks stop
@@ -231,7 +253,7 @@ class Join:
             return
         backend._enter("join")
         try:
-            if self._flagged and self._tail:  # left after calls that followed the last step: they are done
+            if self._flagged:  # left after calls that followed the last step (or a skipped step): they are done
                 self._end_announced()
             while True:
                 every = self._flag(active=False)
@@ -343,6 +365,29 @@ class Join:
         for opt in self._optimizers:
             synchronize(backend, [p for g in opt.param_groups for p in g["params"]], root)
             synchronize(backend, opt, root)
+
+
+def _divide_result(name: str, args: tuple[Any, ...], count: int, rank: int) -> None:
+    """Divide what primitive ``name`` (called with ``args``, a sum) left on this rank by ``count``: an average."""
+    if name == "_allreduce":
+        target = args[1]
+    elif name == "_reduce":
+        target = args[1] if args[3] == rank else None
+    elif name == "_reduce_scatter":
+        send, recv, _ = args
+        target = send[rank, ...] if recv is None else recv
+    else:  # _device_collective: torch tensors on the device, as the NCCL backend lays them out
+        kind, send, recv, _, root = args
+        if kind == "reduce_scatter":
+            target = recv[rank] if send is None else recv
+        else:
+            target = recv if kind == "allreduce" or rank == root else None
+    if target is None:
+        return
+    if isinstance(target, np.ndarray):
+        np.divide(target, count, out=target)
+    else:
+        target.div_(count)
 
 
 def _describe(name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -11,6 +11,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import strategies as st
@@ -239,3 +240,42 @@ def calls_around_the_step_body(backend: dml.Backend, batches: tuple[int, ...], w
 def join_uneven_batches(world: int | None = None) -> st.SearchStrategy[tuple[int, ...]]:
     sizes = st.integers(1, 4) if world is None else st.just(world)
     return sizes.flatmap(lambda w: st.lists(st.integers(0, 4), min_size=w, max_size=w).filter(any).map(tuple))
+
+
+def averages_skips_and_buffers_body(backend: dml.Backend, batches: tuple[int, ...]) -> None:
+    """Inside the block: dml.AVG of the user's is over the ranks with data (as the gradients are); a step that a
+    GradScaler skips (inf loss) while a rank leaves after it; buffers broadcast by a handle join was not given;
+    a second join inside the first is refused."""
+    rank = backend.rank
+
+    def train(pass_handle: bool) -> list[torch.Tensor]:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)).double()
+        gen = torch.Generator().manual_seed(5)  # the simulated ranks share one global generator: not that one
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+        opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1))
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        handle = dml.broadcast_buffers(backend, model)
+        with dml.join(backend, opt, model, *([handle] if pass_handle else [])):
+            with pytest.raises(RuntimeError, match="already open"):
+                dml.join(backend, opt).__enter__()
+            for t in range(batches[rank]):
+                opt.zero_grad()
+                loss = model(_batch(rank, t)).pow(2).mean()
+                scaler.scale(loss * (float("inf") if t == 1 else 1.0)).backward()
+                scaler.step(opt)  # skipped at t == 1, on every rank with data
+                scaler.update()
+                active = [r for r in range(backend.size) if batches[r] > t]
+                mean = sum(r + 1.0 for r in active) / len(active)
+                got = dml.allreduce(backend, torch.tensor([rank + 1.0]), dml.AVG)
+                assert got.item() == pytest.approx(mean), (t, got, mean)
+                at = dml.reduce(backend, np.array([rank + 1.0]), dml.AVG, root=0)
+                if rank == backend.acting_root(0):
+                    assert at[0] == pytest.approx(mean), (t, at, mean)
+        return [t.detach().clone() for t in model.state_dict().values()]
+
+    passed, not_passed = train(True), train(False)
+    assert all(torch.equal(a, b) for a, b in zip(passed, not_passed, strict=True)), "a handle not given to join"
+    everyone = dml.allgather_object(backend, passed)
+    assert all(torch.equal(a, b) for other in everyone for a, b in zip(other, everyone[0], strict=True)), "ranks differ"

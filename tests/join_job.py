@@ -28,6 +28,9 @@ def main(names: list[str]) -> None:
             st.tuples(join_bodies.join_uneven_batches(world.size), st.integers(0, world.size - 1)),
             6,
         ),
+        "skips": lambda: guarded(
+            join_bodies.averages_skips_and_buffers_body, world, (1, 3) if world.size == 2 else (0, 2, 3)
+        ),
         "around": lambda: hypothesis_check(
             world,
             lambda b, case: join_bodies.calls_around_the_step_body(b, *case),
