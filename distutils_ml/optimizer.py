@@ -287,6 +287,7 @@ class DistributedOptimizer(DataParallelOptimizer):
             labels=self._labels,
             fix=_FIX_OPTIMIZER,
         )
+        self._reducer.rescaled = True  # dml.join: average_over
         self._op = self._reducer.op
         self._reducer.sparse_as_dense = self._sparse_as_dense
         self._reducer.skip = self._skip_backward

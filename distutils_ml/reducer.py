@@ -18,6 +18,7 @@ So those checks cost no extra message, and each ends in the same error on every 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,6 +110,10 @@ class GradientReducer(BucketMachine):
         self.on_reduced: Callable[[], None] = lambda: None
         #: every reduced gradient is multiplied by this (dml.join: W / the number of ranks that had data)
         self.scale = 1.0
+        #: whether dml.join sets ``scale`` (a DistributedOptimizer's reducer): its averages ask for the world's, as
+        #: ``scale`` makes them the ranks' with data; other reducers' (allreduce_gradients) are, inside dml.join,
+        #: averages over the ranks with data by themselves
+        self.rescaled = False
         #: reduce sparse gradients as dense tensors (Horovod's option); else they go as sparse (SUM and AVG)
         self.sparse_as_dense = False
         self._sparse_ids: set[int] = set()  # id() of the parameters whose gradients are reduced as sparse
@@ -393,17 +398,18 @@ class GradientReducer(BucketMachine):
                 )
             elif g.layout == torch.strided:
                 g = g.detach().to_sparse(sparse_dim=1)
-            with world_average():  # averaged over the world; join's scale makes it the ranks with data
+            with world_average() if self.rescaled else contextlib.nullcontext():  # see _reduce
                 state.sparse[i] = sparse_allreduce(backend, g.detach(), self.op)
 
     def _communicate(self, backend: Backend, k: int, tensor: torch.Tensor) -> None:
         bucket = self._buckets[k]
+        world = self.rescaled
         if bucket.head and self._head_op is not self.op:
-            _reduce(backend, self._ring, tensor[: bucket.head], self._head_op)
+            _reduce(backend, self._ring, tensor[: bucket.head], self._head_op, world)
             if tensor.numel() > bucket.head:
-                _reduce(backend, self._ring, tensor[bucket.head :], self.op)
+                _reduce(backend, self._ring, tensor[bucket.head :], self.op, world)
         else:
-            _reduce(backend, self._ring, tensor, self.op)
+            _reduce(backend, self._ring, tensor, self.op, world)
 
     # -- the header ------------------------------------------------------------------------
 
@@ -501,7 +507,7 @@ class ReducedValues(torch.autograd.Function):
         return grad, None
 
 
-def _reduce(backend: Backend, ring: GlooTransport | None, tensor: torch.Tensor, op: ReduceOp) -> None:
+def _reduce(backend: Backend, ring: GlooTransport | None, tensor: torch.Tensor, op: ReduceOp, world: bool) -> None:
     """One bucket's allreduce: over gloo across hosts (:mod:`distutils_ml.transport`), else the backend. Over gloo
     it is left in flight once the calls before it have landed (its first exchange goes while the one before it
     lands, without a round trip's pause): the next bucket, or the round's close (:meth:`GradientReducer._close`),
@@ -513,7 +519,9 @@ def _reduce(backend: Backend, ring: GlooTransport | None, tensor: torch.Tensor, 
         return
     if ring is not None:
         ring.settle()
-    with world_average():  # averaged over the world; join's scale (average_over) makes it the ranks with data
+    # world: dml.join rescales this reducer's averages itself (average_over), so the world's is asked for;
+    # otherwise an average inside dml.join is over the ranks with data (allreduce_gradients of the user's)
+    with world_average() if world else contextlib.nullcontext():
         allreduce(backend, tensor, op)
 
 

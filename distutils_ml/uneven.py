@@ -53,7 +53,7 @@ class Join:
 
     def __init__(self, backend: Backend, joinables: tuple[Any, ...]) -> None:
         check_backend(backend, "join")
-        optimizers, modules, buffers = [], [], []
+        optimizers, modules, buffers, states = [], [], [], []
         for k, obj in enumerate(joinables):
             if isinstance(obj, ShardedOptimizer):
                 raise TypeError(
@@ -74,11 +74,16 @@ class Join:
                 buffers.append(obj)
             elif isinstance(obj, torch.nn.Module):
                 modules.append(obj)
+            elif not isinstance(obj, torch.optim.Optimizer) and all(
+                callable(getattr(obj, m, None)) for m in ("state_dict", "load_state_dict")
+            ):
+                states.append(obj)
             else:
                 raise TypeError(
                     f"join: joinables[{k}]: got {type(obj).__qualname__}; allowed: the dml.DistributedOptimizer of "
-                    "the loop (one or more), the torch.nn.Module(s) it trains and the handles of "
-                    "dml.broadcast_buffers"
+                    "the loop (one or more), the torch.nn.Module(s) it trains, the handles of "
+                    "dml.broadcast_buffers, and LR schedulers and GradScalers (objects with state_dict and "
+                    "load_state_dict), which every rank takes from the one that got furthest at the end"
                 )
         if not optimizers:
             raise TypeError(
@@ -89,14 +94,16 @@ class Join:
         self._optimizers = optimizers
         self._modules = modules
         self._buffers = buffers
+        self._states = states
         self._roots = [b.root for b in buffers]
         self._steps = 0
         self._flagged = False  # this iteration's allgather of who still has data is done
         # That allgather was made by a primitive after the last step (a loss averaged after opt.step(), say), not by
         # the forward: a rank may still leave after such calls, so the first forward opens the iteration anew.
         self._tail = False
-        self._tail_call = 0  # the call (Backend.calls_entered) that made or last renewed a tail flag
-        self._rounds = 0  # the optimizers' reduced backward passes when the training forward made the flag
+        self._flag_call = 0  # Backend.calls_entered when the flag was made
+        self._flag_rounds = 0  # the optimizers' reduced backward passes then
+        self._forwards = 0  # training forwards of the joined modules (with the steps: how far this rank got)
         self._announcer: int | None = None  # the rank announcing each primitive (None: every rank has data)
         self._depth = 0  # primitives inside a primitive are the outer one's business
         self._hooks: list[Any] = []
@@ -119,7 +126,7 @@ class Join:
         self._hooks = [opt.register_step_post_hook(self._after_step) for opt in self._optimizers]
         # The iteration's flag before the first forward's hooks (broadcast_buffers reads its root there).
         self._hooks += [m.register_forward_pre_hook(self._before_forward, prepend=True) for m in self._modules]
-        self.backend.observe(self._observe, self._root_now)
+        self.backend.observe(self._observe, self._root_now, self._count_now)
         return self
 
     def _observe(self, name: str, original: Callable[..., Any], *args: Any) -> Any:
@@ -127,11 +134,7 @@ class Join:
             return original(*args)
         self._depth += 1
         try:
-            if not self._flagged:
-                self._flag(active=True)
-                self._tail, self._tail_call = True, self.backend.calls_entered
-            elif self._tail and self.backend.calls_entered != self._tail_call:
-                self._reflag()  # a new call between the step and the forward: a rank may have left before it
+            self._current()
             if self._announcer is None:
                 return original(*args)
             args = self._to_active_root(name, args)
@@ -160,41 +163,64 @@ class Join:
     def _root_now(self, root: int) -> int:
         """The rank acting as ``root`` in a rooted call made now (``Backend.acting_root``): the announcer once
         ``root`` has joined. Makes the iteration's flag first, as its first primitive would."""
-        if self._depth:  # inside a primitive: _observe reroutes it
-            return root
-        self.backend._enter("join")  # inside the caller's collective: counts as part of it
-        try:
-            if not self._flagged:
-                self._flag(active=True)
-                self._tail, self._tail_call = True, self.backend.calls_entered
-            elif self._tail and self.backend.calls_entered != self._tail_call:
-                self._reflag()
-        finally:
-            self.backend._leave()
+        self._now()
         return root if self._announcer is None or root in self._active else self._announcer
 
-    def _reflag(self) -> None:
-        """Between the step and the forward, each call of its own: close the announced part (if any) and ask again
-        who has data, so that a rank that left the loop after the previous call is known before this one."""
+    def _count_now(self) -> int:
+        """How many ranks a ``dml.AVG`` made now divides by (``Backend.averaging_count``): those with data."""
+        self._now()
+        return len(self._active) if self._announcer is not None else self.backend.size
+
+    def _now(self) -> None:
+        """:meth:`_current`, from outside a primitive (inside one, :meth:`_observe` has made it)."""
+        if self._depth:
+            return
+        self.backend._enter("join")  # inside the caller's collective: counts as part of it
+        try:
+            self._current()
+        finally:
+            self.backend._leave()
+
+    def _current(self) -> None:
+        """Make sure the flag (who has data) is current for a call made now.
+
+        The first call after a step makes it. Where a rank may have left the loop since it was made, each new call
+        asks again: after the step (calls of the user's before the next training forward), and after a backward
+        whose step may have been skipped (a GradScaler's): nothing tells a call of the iteration from one of the
+        next there. Where no rank can have left (between a training forward and its backward), nothing is sent.
+        """
+        if not self._flagged:
+            self._flag(active=True)
+            self._tail = True
+        elif (self._tail and self.backend.calls_entered != self._flag_call) or self._reduced() != self._flag_rounds:
+            self._reflag(tail=True)
+
+    def _reflag(self, *, tail: bool) -> None:
+        """Close the announced part of the iteration (if any) and ask again who has data."""
         self._end_announced()
         self._flag(active=True)
-        self._tail_call = self.backend.calls_entered
+        self._tail = tail
 
     def _before_forward(self, module: torch.nn.Module, *_: Any) -> None:
-        if not (torch.is_grad_enabled() and module.training):  # an evaluation: a rank may leave after it
-            if not self._flagged or self._tail:
-                self._root_now(0)  # as a call of the user's between the step and the training forward
-            return
-        if self._flagged and not self._tail and self._reduced() == self._rounds:
-            return  # a second forward of the same iteration
+        if not (torch.is_grad_enabled() and module.training) or self.backend.in_collective():
+            return  # an evaluation (collectives inside it count as calls), or a forward inside a collective
+        self._forwards += 1
+        fresh = (
+            self._flagged
+            and not self._tail
+            and self.backend.calls_entered == self._flag_call
+            and self._reduced() == self._flag_rounds
+        )
+        if fresh:
+            return  # a second forward of the same iteration, nothing sent since the first
         self.backend._enter("join")
         try:
-            # Calls after the last step opened this iteration, or a step was skipped (a GradScaler's, after
-            # gradients were reduced): a rank may have left since.
+            # Calls after the last step (or since this iteration's forward: a skip agreed by the user's own
+            # collective), or a skipped step (a GradScaler's, after gradients were reduced): a rank may have left.
             if self._flagged:
                 self._end_announced()
             self._flag(active=True)
-            self._tail, self._rounds = False, self._reduced()
+            self._tail = False
         finally:
             self.backend._leave()
 
@@ -219,13 +245,15 @@ class Join:
         self._flagged = False
 
     def _flag(self, *, active: bool) -> np.ndarray:
-        """This iteration's allgather: (has data, steps taken) of every rank; sets the announcer and the average."""
+        """This iteration's allgather: (has data, steps taken, training forwards) of every rank; sets the announcer
+        and the average."""
         backend = self.backend
-        every = np.empty((backend.size, 2), dtype=np.int64)
-        type(backend)._allgather(backend, np.array([int(active), self._steps], dtype=np.int64), every)
+        every = np.empty((backend.size, 3), dtype=np.int64)
+        type(backend)._allgather(backend, np.array([int(active), self._steps, self._forwards], dtype=np.int64), every)
         have = np.flatnonzero(every[:, 0])
         self._active = {int(r) for r in have}
         self._flagged = True
+        self._flag_call, self._flag_rounds = backend.calls_entered, self._reduced()
         self._announcer = int(have[0]) if 0 < len(have) < backend.size else None
         if len(have):
             for opt in self._optimizers:
@@ -356,15 +384,18 @@ class Join:
 
     def _final_sync(self, every: np.ndarray) -> None:
         """Every rank takes the state of a rank that took the most steps (the joined ones stopped stepping)."""
-        root = int(np.argmax(every[:, 1]))
-        if (every[:, 1] == every[root, 1]).all():
-            return  # every rank took every step: nothing is stale
+        progress = [(int(steps), int(forwards)) for steps, forwards in every[:, 1:]]
+        root = max(range(len(progress)), key=lambda r: (progress[r], -r))  # the most steps, then training forwards
+        if all(p == progress[root] for p in progress):
+            return  # every rank took every step and forward: nothing is stale
         backend = self.backend
         for module in self._modules:
             synchronize(backend, module, root)
         for opt in self._optimizers:
             synchronize(backend, [p for g in opt.param_groups for p in g["params"]], root)
             synchronize(backend, opt, root)
+        for obj in self._states:  # LR schedulers, GradScalers: stepped as often as that rank stepped
+            obj.load_state_dict(synchronize(backend, obj.state_dict(), root))
 
 
 def _divide_result(name: str, args: tuple[Any, ...], count: int, rank: int) -> None:

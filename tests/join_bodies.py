@@ -279,3 +279,49 @@ def averages_skips_and_buffers_body(backend: dml.Backend, batches: tuple[int, ..
     assert all(torch.equal(a, b) for a, b in zip(passed, not_passed, strict=True)), "a handle not given to join"
     everyone = dml.allgather_object(backend, passed)
     assert all(torch.equal(a, b) for other in everyone for a, b in zip(other, everyone[0], strict=True)), "ranks differ"
+
+
+def skips_and_odd_forwards_body(backend: dml.Backend, batches: tuple[int, ...]) -> None:
+    """Inside the block: a GradScaler-skipped step followed by a collective before the next forward; an iteration
+    every rank with data skips by its own agreement (no backward); a forward that rank 0 alone makes after the
+    step (no_grad) and one inside run_on_root (train mode); sparse_allreduce and allreduce_gradients averaging over
+    the ranks with data; at the end equal buffers (the last steps skipped) and, passed to join, equal LR schedulers
+    and GradScalers."""
+    rank, world = backend.rank, backend.size
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)).double()
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+    opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1)
+    with dml.join(backend, opt, model, sched, scaler):
+        for t in range(batches[rank]):
+            active = [r for r in range(world) if batches[r] > t]
+            mean = sum(r + 1.0 for r in active) / len(active)
+            if t % 3 != 0:  # before the forward; not after an iteration skipped without a backward (see docs)
+                assert dml.allreduce(backend, torch.ones(1), dml.SUM).item() == len(active), t
+            loss = model(_batch(rank, t)).pow(2).mean()
+            if dml.allreduce(backend, torch.tensor([float(t % 3 == 2)]), dml.MAX).item():
+                continue  # skipped by every rank with data, before any backward
+            opt.zero_grad()
+            scaler.scale(loss * (float("inf") if t % 3 == 1 else 1.0)).backward()
+            scaler.step(opt)  # skipped at t % 3 == 1
+            scaler.update()
+            sched.step()
+            if rank == 0:
+                with torch.no_grad():
+                    model(_batch(rank, 70))  # rank 0 alone: no collective
+            run_on_root(backend, lambda: float(model(_batch(0, 80)).sum()))  # a training-mode forward on root only
+            sparse = torch.sparse_coo_tensor([[0]], [rank + 1.0], (2,))
+            assert dml.sparse_allreduce(backend, sparse, dml.AVG).to_dense()[0].item() == pytest.approx(mean)
+            for p in model.parameters():
+                p.grad = torch.full_like(p, rank + 1.0)
+            dml.allreduce_gradients(backend, model, dml.AVG)
+            assert all(torch.allclose(p.grad, torch.full_like(p, mean)) for p in model.parameters()), t
+    state = [t.detach().clone() for t in model.state_dict().values()]
+    everyone = dml.allgather_object(backend, (state, sched.state_dict()["last_epoch"], scaler.get_scale()))
+    for other in everyone:
+        assert all(torch.equal(a, b) for a, b in zip(other[0], everyone[0][0], strict=True)), "buffers differ"
+        assert other[1:] == everyone[0][1:], (other[1:], everyone[0][1:])

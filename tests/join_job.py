@@ -31,6 +31,9 @@ def main(names: list[str]) -> None:
         "skips": lambda: guarded(
             join_bodies.averages_skips_and_buffers_body, world, (1, 3) if world.size == 2 else (0, 2, 3)
         ),
+        "odd": lambda: guarded(
+            join_bodies.skips_and_odd_forwards_body, world, (2, 4) if world.size == 2 else (5, 2, 3)
+        ),
         "around": lambda: hypothesis_check(
             world,
             lambda b, case: join_bodies.calls_around_the_step_body(b, *case),

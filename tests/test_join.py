@@ -72,8 +72,10 @@ def test_join_under_mpiexec(ranks: int, transport: str, debug: str) -> None:
     else:
         job = run_mpi(ranks, ["tests/join_job.py"], timeout=300, envs=[env] * ranks)
     assert job.returncode == 0, job.output[-8000:]
-    assert f"JOIN CHECKS PASSED: uneven refusals rooted skips around on {ranks} ranks" in job.output, job.output[-8000:]
-    assert_checks_passed(job, ["uneven", "refusals", "rooted", "skips", "around"], ranks)
+    assert f"JOIN CHECKS PASSED: uneven refusals rooted skips odd around on {ranks} ranks" in job.output, job.output[
+        -8000:
+    ]
+    assert_checks_passed(job, ["uneven", "refusals", "rooted", "skips", "odd", "around"], ranks)
 
 
 @pytest.mark.parametrize("sparse_as_dense", [False, True], ids=["sparse", "as_dense"])
@@ -100,3 +102,8 @@ def test_collectives_before_the_forward_after_the_step_or_both(batches: tuple[in
 @pytest.mark.parametrize("batches", [(1, 3), (3, 1), (2, 3, 3), (0, 2, 3), (3, 2, 0, 1)])
 def test_averages_skipped_steps_and_buffers_from_a_handle_not_given(batches: tuple[int, ...]) -> None:
     dml.LocalBackend.spawn(len(batches), join_bodies.averages_skips_and_buffers_body, batches, timeout=60)
+
+
+@pytest.mark.parametrize("batches", [(2, 4), (3, 1), (5, 2, 3), (0, 3, 2), (4, 2, 0, 1)])
+def test_skipped_steps_lone_forwards_and_other_averages(batches: tuple[int, ...]) -> None:
+    dml.LocalBackend.spawn(len(batches), join_bodies.skips_and_odd_forwards_body, batches, timeout=60)

@@ -133,6 +133,13 @@ class Backend(abc.ABC):
         self._held -= 1
         self._entry.release()
 
+    def averaging_count(self) -> int:
+        """How many ranks a ``dml.AVG`` made now divides by: the world size, except inside ``dml.join`` once a rank
+        has joined (then the ranks with data). Composite reductions that divide themselves ask it; like
+        :meth:`acting_root`, inside ``dml.join`` it is a collective."""
+        counts = getattr(self, "_counts", None)
+        return self.size if counts is None else counts()
+
     @property
     def calls_entered(self) -> int:
         """How many outermost collectives (public calls) were entered on this backend so far: calls nested in
@@ -210,19 +217,26 @@ class Backend(abc.ABC):
         as one of its own while it runs (backends without a watchdog: nothing)."""
         yield
 
-    def observe(self, observer: Callable[..., Any] | None, roots: Callable[[int], int] | None = None) -> None:
+    def observe(
+        self,
+        observer: Callable[..., Any] | None,
+        roots: Callable[[int], int] | None = None,
+        counts: Callable[[], int] | None = None,
+    ) -> None:
         """Route this backend's primitive calls through ``observer(name, original, *args)`` (None: stop).
 
         ``name`` is the primitive (``"_allreduce"``, ..., and ``"_check_call"``, the debug-mode comparison),
         ``original`` the bound primitive, which ``observer`` calls (or not) and whose result it returns. For
         layers that must see every message this backend sends in order (``dml.join``); one observer at a time.
         ``roots``, with an observer that reroutes rooted primitives: the rank acting as a given root now
-        (:meth:`acting_root` answers with it).
+        (:meth:`acting_root` answers with it); ``counts``: how many ranks an average divides by now
+        (:meth:`averaging_count`).
         """
         if self._closers is None:
             raise RuntimeError(f"{self!r} is closed")
         self._observer = observer
         self._root_map = roots if observer is not None else None
+        self._counts = counts if observer is not None else None
         for name in OBSERVED:
             if observer is None:
                 self.__dict__.pop(name, None)
