@@ -381,8 +381,21 @@ class DataParallelOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     # -- the step --------------------------------------------------------------------------
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients (the wrapped optimizer's ``zero_grad``); the next step begins."""
-        self._stepped_round = False
+        """Clear gradients (the wrapped optimizer's ``zero_grad``); the next step begins.
+
+        Raises:
+            RuntimeError: with ``step_during_backward``, the last backward already stepped parameters and
+                ``step()`` was not called: clearing its gradients would not undo those steps.
+        """
+        if self._stepped_round:
+            self._stepped_round = False
+            raise RuntimeError(
+                "DistributedOptimizer(step_during_backward=True): zero_grad() after a backward that already stepped "
+                "its buckets, with no step() after it: the parameters have moved, and clearing the gradients does "
+                "not undo it (a loop that discards a backward, for an input gradient (FGSM) or a GAN generator's "
+                "pass through the discriminator, would step twice). Call step() after each such backward, or use "
+                "step_during_backward=False for loops with backward passes that do not step"
+            )
         self._end_step()
         self._forget_round()
         self._clear_grads(set_to_none)

@@ -141,7 +141,13 @@ class GradientReducer(BucketMachine):
             if p.is_sparse or p.layout != torch.strided:
                 raise TypeError(f"{self.caller}: sparse parameters are not supported; use dense tensors")
             if not p.dtype.is_floating_point:
-                raise TypeError(f"{self.caller}: parameter of dtype {p.dtype}; gradients must be floating point")
+                hint = (
+                    " (complex parameters are not reduced: hold them as real ones, torch.view_as_real, and view them "
+                    "as complex in the forward)"
+                    if p.dtype.is_complex
+                    else ""
+                )
+                raise TypeError(f"{self.caller}: parameter of dtype {p.dtype}; gradients must be floating point{hint}")
         self._agree(backend, params)
         self._ring = transport_for(backend)
         self._build(params)

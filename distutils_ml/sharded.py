@@ -179,6 +179,15 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         self._wire = check_communication_dtype(communication_dtype)
         self._bucket_bytes = default_bucket_bytes(backend, bucket_bytes)
         params = self._params_now()
+        seen: dict[int, int] = {}
+        for k, p in enumerate(params):
+            if id(p) in seen:  # a tied weight listed twice: it would take two places in the layout
+                raise ValueError(
+                    f"DistributedOptimizer(shard_state=True): {self._labels()[k]} is the same tensor as "
+                    f"{self._labels()[seen[id(p)]]} (a tied weight listed twice); list each parameter once, e.g. "
+                    "torch.optim.Adam(model.parameters()), which gives a tied weight once"
+                )
+            seen[id(p)] = k
         for p in params:
             if p.layout != torch.strided:
                 raise TypeError("DistributedOptimizer: sparse parameters are not supported; use dense tensors")
@@ -613,7 +622,10 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
                 "DistributedOptimizer: the parameters changed after the sharded layout was built (a parameter "
                 "was added, removed, replaced or had requires_grad switched, or its .data was replaced, e.g. by "
                 "model.to()) on at least one rank; this backward reduced the old parameters only. Create the "
-                "optimizer again after changing the model (or add parameters with its add_param_group), on every rank"
+                "optimizer again after changing the model (or add parameters with its add_param_group), on every "
+                "rank, and move the state over: its state lives in the shards, not in the torch optimizer, so take "
+                "state = opt.state_dict(to=None) before and new_opt.load_state_dict(state) after (else Adam's moments "
+                "start from zero)"
             )
         if state.task >= 0 and nb:
             order = row[n + 1 : self._tail_at()].reshape(nb, 3)

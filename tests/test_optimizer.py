@@ -288,3 +288,12 @@ def test_sum_of_reduced_and_then_accumulated_gradients_is_refused_by_synchronize
         avg = dml.LocalBackend.spawn(world, run, dml.AVG, via, timeout=30)
         first = 2 * ranks / world if how != "no_sync" else ranks / world  # the reduced backward(s)' average
         assert avg == [[-(first + 10 * ranks / world)] * 3] * world, (via, avg)
+
+
+def test_complex_parameters_are_refused_with_the_way_around() -> None:
+    # On this thread: an error raised inside a simulated rank's backward can abort the process at its exit.
+    p = torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))
+    opt = dml.DistributedOptimizer(dml.LocalBackend(), torch.optim.SGD([p], lr=0.1))
+    with pytest.raises(TypeError, match="complex parameters are not reduced: hold them as real ones"):
+        (p.abs() ** 2).sum().backward()
+    del opt

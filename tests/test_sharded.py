@@ -369,3 +369,14 @@ def test_checkpoint_averaged_over_3_mpi_ranks(checkpoints: Path, job_at_3: Job, 
     )
     checkpoints_equal(same, whole)
     checkpoints_equal(sharded, unsharded)
+
+
+def test_a_tied_weight_listed_twice_is_named() -> None:
+    def body(b: dml.Backend) -> None:
+        emb = torch.nn.Embedding(4, 3)
+        head = torch.nn.Linear(3, 4, bias=False)
+        head.weight = emb.weight
+        with pytest.raises(ValueError, match=r"params'\]\[1\] is the same tensor as .*\[0\] \(a tied weight"):
+            dml.DistributedOptimizer(b, torch.optim.Adam([emb.weight, head.weight]), shard_state=True)
+
+    dml.LocalBackend.spawn(2, body)

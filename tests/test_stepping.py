@@ -187,3 +187,25 @@ def test_steps_taken_while_another_thread_compiles_are_the_same_bits(shard: bool
         torch._dynamo.reset()
     for a, b in zip(alone, meanwhile, strict=True):
         assert torch.equal(a, b), f"a step taken during a compilation differs by {float((a - b).abs().max())}"
+
+
+def test_zero_grad_after_a_backward_that_stepped_raises() -> None:
+    """A loop that discards a backward (an input gradient, FGSM; a GAN generator's pass through the discriminator)
+    stepped that backward's buckets already: zero_grad() then raises on every rank (it stepped twice, silently)."""
+
+    def body(b: dml.Backend) -> list[float]:
+        model = torch.nn.Linear(2, 1, bias=False)
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        opt = dml.DistributedOptimizer(b, torch.optim.SGD(model.parameters(), lr=0.1), step_during_backward=True)
+        x = torch.ones(1, 2, requires_grad=True)
+        model(x).sum().backward()  # for x.grad only
+        with pytest.raises(RuntimeError, match="zero_grad\\(\\) after a backward that already stepped"):
+            opt.zero_grad()
+        opt.zero_grad()  # told once: the next one goes on
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        opt.zero_grad()  # after a step: nothing to say
+        return model.weight.detach().reshape(-1).tolist()
+
+    assert dml.LocalBackend.spawn(2, body) == [[pytest.approx(0.8)] * 2] * 2
