@@ -518,7 +518,10 @@ def _reduce(backend: Backend, ring: GlooTransport | None, tensor: torch.Tensor, 
     it is left in flight once the calls before it have landed (its first exchange goes while the one before it
     lands, without a round trip's pause): the next bucket, or the round's close (:meth:`GradientReducer._close`),
     completes it."""
-    array = ring_array(ring, tensor, op)
+    # Inside dml.join (an observer) a reducer that does not rescale itself goes over the backend, whose average
+    # the join makes over the ranks with data (the gloo transport's divides by the world size).
+    over_ring = world or op is not ReduceOp.AVG or not backend.observed
+    array = ring_array(ring, tensor, op) if over_ring else None
     if ring is not None and array is not None:
         ring.allreduce(array, op, wait=False)
         ring.settle(keep=1)
