@@ -314,7 +314,7 @@ def skips_and_odd_forwards_body(backend: dml.Backend, batches: tuple[int, ...]) 
                 with torch.no_grad():
                     model(_batch(rank, 70))  # rank 0 alone: no collective
             run_on_root(backend, lambda: float(model(_batch(0, 80)).sum()))  # a training-mode forward on root only
-            sparse = torch.sparse_coo_tensor([[0]], [rank + 1.0], (2,))
+            sparse = torch.sparse_coo_tensor([[0]], [rank + 1.0], (2,), check_invariants=True)
             assert dml.sparse_allreduce(backend, sparse, dml.AVG).to_dense()[0].item() == pytest.approx(mean)
             for p in model.parameters():
                 p.grad = torch.full_like(p, rank + 1.0)
