@@ -93,7 +93,9 @@ class TrainState:
         **extra: the run's own values (``step=0``); they are attributes of the state, saved and restored.
 
     Raises:
-        TypeError: ``backend`` is not a backend, ``data`` is not a ``DistributedDataContainer``.
+        TypeError: ``backend`` is not a backend, ``data`` is not a ``DistributedDataContainer``, ``model`` is not a
+            ``torch.nn.Module``, or ``optimizer``, ``scheduler`` or ``scaler`` has no ``state_dict`` and
+            ``load_state_dict``.
         ValueError: ``keep``, ``every_steps`` or ``every_seconds`` out of range, or an ``extra`` name that the
             state uses itself.
     """
@@ -115,6 +117,14 @@ class TrainState:
         check_backend(backend, "TrainState")
         if data is not None and not isinstance(data, DistributedDataContainer):
             raise TypeError(f"TrainState: data: got {type(data).__name__}; allowed: a dml.DistributedDataContainer")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"TrainState: model: got {type(model).__name__}; allowed: a torch.nn.Module")
+        for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
+            if obj is not None and not all(callable(getattr(obj, m, None)) for m in ("state_dict", "load_state_dict")):
+                raise TypeError(
+                    f"TrainState: {name}: got {type(obj).__name__}, which has no state_dict() and load_state_dict(); "
+                    "allowed: an optimizer, LR scheduler or GradScaler (put other values in as the state's own values)"
+                )
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"TrainState: keep: got {keep!r}; allowed: an int >= 1")
         if every_steps is not None and (isinstance(every_steps, bool) or not isinstance(every_steps, int)

@@ -250,6 +250,8 @@ def test_save_if_due_every_n_calls_and_every_t_seconds(tmp_path: Path) -> None:
         ({"every_seconds": -1}, ValueError, "every_seconds"),
         ({"save": 1}, ValueError, "names of the state itself"),
         ({"data": [1, 2]}, TypeError, "DistributedDataContainer"),
+        ({"model": [torch.nn.Parameter(torch.ones(1))]}, TypeError, "model: got list; allowed: a torch.nn.Module"),
+        ({"scheduler": 3}, TypeError, "scheduler: got int, which has no state_dict"),
     ],
 )
 def test_bad_arguments_raise_before_anything_is_sent(kw: dict[str, object], error: type, match: str) -> None:
