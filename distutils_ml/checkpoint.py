@@ -60,6 +60,7 @@ __all__ = [
     "check_resumable",
     "consolidated_states",
     "load",
+    "rebuilds",
     "rebuilt",
     "rng_state",
     "rng_state_all",
@@ -222,6 +223,16 @@ def check_path(path: Any, caller: str) -> str:
 
 
 DESCEND = object()  # a leaf function's answer: not a leaf, rebuild the container around its items
+
+
+def rebuilds(obj: Any) -> bool:
+    """Whether :func:`rebuilt` rebuilds ``obj`` around its items: a dict, list or tuple, a namedtuple or a
+    dataclass instance (anything else is a leaf to it)."""
+    return (
+        type(obj) in (dict, OrderedDict, list, tuple)
+        or (isinstance(obj, tuple) and hasattr(type(obj), "_fields"))
+        or (dataclasses.is_dataclass(obj) and not isinstance(obj, type))
+    )
 
 
 def rebuilt(obj: Any, leaf: Callable[[Any, str], Any], where: str = "obj") -> Any:

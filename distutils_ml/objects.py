@@ -60,6 +60,11 @@ def digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
+def error_status(exc: BaseException) -> tuple[str, str, str]:
+    """What :func:`remote_error` rebuilds ``exc`` from on another rank: its class's module and name, its text."""
+    return type(exc).__module__, type(exc).__qualname__, str(exc)
+
+
 def remote_error(status: tuple[str, str, str], message: str) -> Exception:
     """An exception of the remote error's class where it is a builtin or pickle error, else RuntimeError."""
     module, name, text = status
@@ -185,7 +190,7 @@ def _pack_apart(produce: Callable[[], Any]) -> tuple[bytes | memoryview, BaseExc
         out.write(_TRAILER.pack(len(layout)))
         return out.getbuffer(), None, pickler.parts
     except Exception as exc:
-        return _FAILED + pickle.dumps((type(exc).__module__, type(exc).__qualname__, str(exc))), exc, []
+        return _FAILED + pickle.dumps(error_status(exc)), exc, []
 
 
 def _bytes_of(part: Any) -> np.ndarray:

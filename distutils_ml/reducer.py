@@ -42,7 +42,7 @@ from distutils_ml.buckets import (
 )
 from distutils_ml.collectives import allgather, allreduce
 from distutils_ml.gloo import GlooTransport
-from distutils_ml.joined import world_average
+from distutils_ml.joined import world_average, world_average_requested
 from distutils_ml.objects import allgather_object, digest
 from distutils_ml.sparse import sparse_allreduce
 from distutils_ml.transport import transport_for
@@ -404,18 +404,23 @@ class GradientReducer(BucketMachine):
                 )
             elif g.layout == torch.strided:
                 g = g.detach().to_sparse(sparse_dim=1)
-            with world_average() if self.rescaled else contextlib.nullcontext():  # see _reduce
+            with self._averages():
                 state.sparse[i] = sparse_allreduce(backend, g.detach(), self.op)
+
+    def _averages(self) -> contextlib.AbstractContextManager[None]:
+        """Where this reducer's averages divide inside dml.join: by the world size when join rescales them itself
+        (``scale``, a DistributedOptimizer's), else by the ranks with data (allreduce_gradients)."""
+        return world_average() if self.rescaled else contextlib.nullcontext()
 
     def _communicate(self, backend: Backend, k: int, tensor: torch.Tensor) -> None:
         bucket = self._buckets[k]
-        world = self.rescaled
-        if bucket.head and self._head_op is not self.op:
-            _reduce(backend, self._ring, tensor[: bucket.head], self._head_op, world)
-            if tensor.numel() > bucket.head:
-                _reduce(backend, self._ring, tensor[bucket.head :], self.op, world)
-        else:
-            _reduce(backend, self._ring, tensor, self.op, world)
+        with self._averages():
+            if bucket.head and self._head_op is not self.op:
+                _reduce(backend, self._ring, tensor[: bucket.head], self._head_op)
+                if tensor.numel() > bucket.head:
+                    _reduce(backend, self._ring, tensor[bucket.head :], self.op)
+            else:
+                _reduce(backend, self._ring, tensor, self.op)
 
     # -- the header ------------------------------------------------------------------------
 
@@ -513,14 +518,14 @@ class ReducedValues(torch.autograd.Function):
         return grad, None
 
 
-def _reduce(backend: Backend, ring: GlooTransport | None, tensor: torch.Tensor, op: ReduceOp, world: bool) -> None:
+def _reduce(backend: Backend, ring: GlooTransport | None, tensor: torch.Tensor, op: ReduceOp) -> None:
     """One bucket's allreduce: over gloo across hosts (:mod:`distutils_ml.transport`), else the backend. Over gloo
     it is left in flight once the calls before it have landed (its first exchange goes while the one before it
     lands, without a round trip's pause): the next bucket, or the round's close (:meth:`GradientReducer._close`),
     completes it."""
-    # Inside dml.join (an observer) a reducer that does not rescale itself goes over the backend, whose average
-    # the join makes over the ranks with data (the gloo transport's divides by the world size).
-    over_ring = world or op is not ReduceOp.AVG or not backend.observed
+    # Inside dml.join (an observer) an average over the ranks with data goes over the backend, whose averages the
+    # join makes so (the gloo transport's divide by the world size).
+    over_ring = op is not ReduceOp.AVG or not backend.observed or world_average_requested()
     array = ring_array(ring, tensor, op) if over_ring else None
     if ring is not None and array is not None:
         ring.allreduce(array, op, wait=False)
@@ -528,10 +533,7 @@ def _reduce(backend: Backend, ring: GlooTransport | None, tensor: torch.Tensor, 
         return
     if ring is not None:
         ring.settle()
-    # world: dml.join rescales this reducer's averages itself (average_over), so the world's is asked for;
-    # otherwise an average inside dml.join is over the ranks with data (allreduce_gradients of the user's)
-    with world_average() if world else contextlib.nullcontext():
-        allreduce(backend, tensor, op)
+    allreduce(backend, tensor, op)
 
 
 def agree_on_settings(

@@ -20,7 +20,7 @@ import torch
 from distutils_ml.arrays import torch_dtype_name
 from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
 from distutils_ml.collectives import allgather
-from distutils_ml.joined import joined_ranks_send_zeros, world_average_requested
+from distutils_ml.joined import joined_ranks_send_zeros
 from distutils_ml.objects import allgather_object, digest, exclusive
 
 __all__ = ["sparse_allreduce"]
@@ -166,8 +166,7 @@ def sparse_allreduce(backend: Backend, tensor: torch.Tensor, op: Any = ReduceOp.
         if (tags != tags[0]).any():
             raise _differ(allgather_object(backend, call))
         counts = headers[:, 0].tolist()
-        # dml.AVG divides by the ranks with data inside dml.join (theirs are the only entries)
-        divisor = backend.size if world_average_requested() else backend.averaging_count()
+        divisor = backend.averaging_count()  # inside dml.join: the ranks with data (theirs are the only entries)
         most = max(counts)
         if most and width:
             send = torch.zeros((most, width), dtype=torch.uint8, device=device)  # padded to the largest count

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import hashlib
 import io
 import json
@@ -43,7 +42,6 @@ import re
 import threading
 import time
 import warnings
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -57,12 +55,13 @@ from distutils_ml.checkpoint import (
     check_resumable,
     consolidated_states,
     load,
+    rebuilds,
     rebuilt,
     state_of,
     write_atomic,
 )
 from distutils_ml.data import DistributedDataContainer
-from distutils_ml.objects import allgather_object, bcast_object, remote_error, run_on_root
+from distutils_ml.objects import allgather_object, bcast_object, error_status, remote_error, run_on_root
 from distutils_ml.rng import rng_state, set_rng_state_all
 
 __all__ = ["RESUME_REPORT_ENV", "TrainState"]
@@ -268,7 +267,7 @@ class TrainState:
             self._join()
         except Exception as e:
             failure = e
-        mine = None if failure is None else (type(failure).__module__, type(failure).__qualname__, str(failure))
+        mine = None if failure is None else error_status(failure)
         reports = allgather_object(self.backend, mine)
         for rank, report in enumerate(reports):
             if report is not None:
@@ -342,7 +341,7 @@ class TrainState:
         """A tensor's copy in this state's host buffer for its place (the previous write is done: it is free).
         Reused, so a save after the first touches no fresh memory (fresh pages cost 2-20x the copy here)."""
         if not isinstance(obj, torch.Tensor):
-            if type(obj) in (dict, OrderedDict, list, tuple) or _is_record(obj):
+            if rebuilds(obj):
                 return DESCEND
             # NumPy arrays, sets, bytearrays, objects: copied as they are now (the writer runs later)
             return copy.deepcopy(obj)
@@ -440,13 +439,6 @@ class TrainState:
             if isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
                 with torch.no_grad():
                     target.copy_(value)
-
-
-def _is_record(obj: Any) -> bool:
-    """A namedtuple or a dataclass instance: ``rebuilt`` rebuilds them around their items."""
-    return (isinstance(obj, tuple) and hasattr(type(obj), "_fields")) or (
-        dataclasses.is_dataclass(obj) and not isinstance(obj, type)
-    )
 
 
 def _tensor_digest(t: torch.Tensor) -> bytes:

@@ -167,9 +167,11 @@ class Join:
         return root if self._announcer is None or root in self._active else self._announcer
 
     def _count_now(self) -> int:
-        """How many ranks a ``dml.AVG`` made now divides by (``Backend.averaging_count``): those with data."""
+        """How many ranks a ``dml.AVG`` made now divides by (``Backend.averaging_count``): those with data, unless
+        the caller rescales itself (:func:`world_average`)."""
         self._now()
-        return len(self._active) if self._announcer is not None else self.backend.size
+        averaged = self._announcer is not None and not world_average_requested()
+        return len(self._active) if averaged else self.backend.size
 
     def _now(self) -> None:
         """:meth:`_current`, from outside a primitive (inside one, :meth:`_observe` has made it)."""
@@ -218,9 +220,10 @@ class Join:
             # Calls after the last step (or since this iteration's forward: a skip agreed by the user's own
             # collective), or a skipped step (a GradScaler's, after gradients were reduced): a rank may have left.
             if self._flagged:
-                self._end_announced()
-            self._flag(active=True)
-            self._tail = False
+                self._reflag(tail=False)
+            else:
+                self._flag(active=True)
+                self._tail = False
         finally:
             self.backend._leave()
 

@@ -100,6 +100,8 @@ class Backend(abc.ABC):
     device: int | None = None
     _held = 0  # the depth of _enter calls of the thread holding the backend
     _entered = 0  # outermost _enter calls so far (calls_entered)
+    _root_map: Callable[[int], int] | None = None  # observe(roots=): acting_root
+    _counts: Callable[[], int] | None = None  # observe(counts=): averaging_count
 
     def __init__(self) -> None:
         # Held by the thread inside a public collective (re-entrant: composite calls nest).
@@ -137,8 +139,7 @@ class Backend(abc.ABC):
         """How many ranks a ``dml.AVG`` made now divides by: the world size, except inside ``dml.join`` once a rank
         has joined (then the ranks with data). Composite reductions that divide themselves ask it; like
         :meth:`acting_root`, inside ``dml.join`` it is a collective."""
-        counts = getattr(self, "_counts", None)
-        return self.size if counts is None else counts()
+        return self.size if self._counts is None else self._counts()
 
     @property
     def calls_entered(self) -> int:
@@ -343,8 +344,7 @@ class Backend(abc.ABC):
         None``) asks it too. Inside ``dml.join`` the first call of an iteration makes the iteration's small
         allgather (which ranks have data): call it on every rank with data at the same point, as a collective.
         """
-        remap = getattr(self, "_root_map", None)
-        return root if remap is None else remap(root)
+        return root if self._root_map is None else self._root_map(root)
 
     @property
     def observed(self) -> bool:
