@@ -350,10 +350,11 @@ class DistributedDataContainer(torch.utils.data.Dataset):
         """
         index = as_index(idx, "DistributedDataContainer: index")
         if isinstance(index, int):
+            indices = self._current()  # first: it refreshes the sizes (a worker's copy follows set_epoch)
             n = self._num_samples
             if not -n <= index < n:
                 raise _out_of_range(index, n)
-            return getobs_at(self._data, int(self._current()[index]))
+            return getobs_at(self._data, int(indices[index]))
         return getobs_at(self._data, self._global(index))
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:

@@ -47,6 +47,14 @@ def _leaf_spec(leaf: Any, name: str, padded: int, unpadded: int) -> tuple[Any, .
         if unusual is not None:
             raise _Problem(TypeError, str(unusual))
         kind, dtype, rows, device = "tensor", leaf.dtype, tuple(leaf.shape[1:]), leaf.device.type
+    elif isinstance(leaf, np.ndarray) and type(leaf) not in (np.ndarray, np.memmap):
+        # A subclass carries more than its data (a masked array's mask): gathered as plain rows, that would be lost.
+        raise _Problem(
+            TypeError,
+            f"values{name}: got {describe_value(leaf)}, a subclass of numpy.ndarray whose extra state (e.g. a masked "
+            "array's mask) would be lost; pass plain arrays, e.g. (a.filled(0), np.ma.getmaskarray(a)) for a masked "
+            "array, or np.asarray(a)",
+        )
     elif isinstance(leaf, np.ndarray):
         kind = "object array" if leaf.dtype.hasobject else "array"
         # Text arrays may differ in width across ranks (the longest string): compared by kind, gathered at the widest.
@@ -113,10 +121,11 @@ def _share_facts(share: Any, backend: Backend) -> tuple[DistributedDataContainer
         container.seed,
         container.drop_last,
         container.epoch,
+        container.start,
     )
 
 
-_FACTS = ("numobs(data)", "shuffle", "seed", "drop_last", "epoch")
+_FACTS = ("numobs(data)", "shuffle", "seed", "drop_last", "epoch", "set_epoch's start")
 
 
 def _verdict(reports: list[tuple[Any, ...]]) -> tuple[type[Exception], str] | None:
@@ -130,7 +139,7 @@ def _verdict(reports: list[tuple[Any, ...]]) -> tuple[type[Exception], str] | No
             listed = ", ".join(f"rank {r}: {f[k]!r}" for r, f in enumerate(facts))
             return ValueError, (
                 f"share: the ranks' containers differ in {what} ({listed}); every rank must build its container "
-                "from the same data and options and call set_epoch with the same epoch"
+                "from the same data and options and call set_epoch with the same epoch and start"
             )
     structures = [r[2] for r in reports]
     for rank, structure in enumerate(structures):
@@ -155,7 +164,7 @@ def _gather_rows(backend: Backend, leaf: Any, rows: tuple[int, ...], m: int, tak
     """Allgather a tensor / array of any dtype as raw bytes (``m`` rows per rank) and pick rows ``take``."""
     w, k = backend.size, len(take)
     if isinstance(leaf, torch.Tensor):
-        leaf = leaf.detach()
+        leaf = leaf.detach().resolve_conj().resolve_neg()  # a lazy view's bits are not its values
         if m == 0 or 0 in rows:  # the same on every rank: nothing to send
             return leaf.new_empty((k, *rows))
         send = leaf if len(leaf) == m else torch.cat([leaf, leaf.new_zeros((m - len(leaf), *rows))])
@@ -196,9 +205,11 @@ def gather_unpadded(backend: Backend, values: Any, share: DistributedDataContain
     ``share.unpadded()``. Before any data moves, the ranks exchange what they pass; a
     rank whose length fits neither, values of different kinds, dtypes, row shapes or
     device types across ranks, or containers built differently (data length, shuffle,
-    seed, drop_last, epoch) raise the same error on every rank. Tensors and arrays of
-    any dtype travel as raw bytes in one ``allgather`` (CUDA tensors stay on their
-    device); lists and object arrays as pickles. Nothing limits the size. Results are
+    seed, drop_last, epoch, set_epoch's start) raise the same error on every rank. Tensors and
+    arrays of any dtype travel as raw bytes in one ``allgather`` (CUDA tensors stay on their
+    device; a lazy conjugate or negative view as its values); lists and object arrays as pickles.
+    Subclasses of NumPy arrays other than ``np.memmap`` (a masked array) are refused: their extra
+    state would be lost. Nothing limits the size. Results are
     not differentiable.
 
     Args:

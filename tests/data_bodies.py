@@ -468,7 +468,19 @@ def gather_body(backend: dml.Backend, case: GatherCase) -> int:
     return len(case.epochs)
 
 
-GATHER_MISUSES = ("too_long", "too_short", "kind", "dtype", "rows", "structure", "epoch", "share", "values_type")
+GATHER_MISUSES = (
+    "too_long",
+    "too_short",
+    "kind",
+    "dtype",
+    "rows",
+    "structure",
+    "epoch",
+    "start",
+    "share",
+    "values_type",
+    "masked",
+)
 
 
 def gather_misuse_body(backend: dml.Backend, misuse: str, culprit: int) -> tuple[str, str]:
@@ -480,7 +492,8 @@ def gather_misuse_body(backend: dml.Backend, misuse: str, culprit: int) -> tuple
     n = 3 * world + 1  # every rank but rank 0 has one padded observation
     x = torch.arange(n, dtype=torch.float64)
     share = DistributedDataContainer(backend, (x,), shuffle=True)
-    share.set_epoch(1 if misuse == "epoch" and rank == culprit else 0)
+    culprit_here = rank == culprit
+    share.set_epoch(1 if misuse == "epoch" and culprit_here else 0, world if misuse == "start" and culprit_here else 0)
     values: Any = x[torch.from_numpy(share.indices.copy())]
     given: Any = share
     if rank == culprit:
@@ -492,6 +505,7 @@ def gather_misuse_body(backend: dml.Backend, misuse: str, culprit: int) -> tuple
             "rows": values[:, None],
             "structure": (values,),
             "values_type": set(values.tolist()),
+            "masked": np.ma.masked_array(values.numpy(), mask=values.numpy() > 2),
         }.get(misuse, values)
         given = (x,) if misuse == "share" else share
     try:
@@ -514,7 +528,9 @@ MISUSE_ERRORS = {
     "rows": ("TypeError", r"values: rank {c} passes row shape \(1,\), rank 0 \(\)"),
     "structure": ("TypeError", r"values: rank {c} passes a different structure than rank 0"),
     "epoch": ("ValueError", r"share: the ranks' containers differ in epoch \(.*rank {c}: 1[,)]"),
+    "start": ("ValueError", r"share: the ranks' containers differ in set_epoch's start \(.*rank {c}: {w}[,)]"),
     "share": ("TypeError", r"rank {c}: share: got tuple .*; allowed: the DistributedDataContainer"),
+    "masked": ("TypeError", r"rank {c}: values: got .*MaskedArray.*a subclass of numpy.ndarray"),
     "values_type": ("TypeError", r"rank {c}: values: got set .*; allowed: a torch.Tensor or NumPy array"),
 }
 
@@ -533,7 +549,7 @@ def check_misuse(misuse: str, culprit: int, world: int, errors: list[tuple[str, 
             misuse, r"rank 1 passes row shape \(\), rank 0 \(1,\)"
         )
     unpadded = m - (1 if culprit > 0 else 0)
-    pattern = pattern.format(c=culprit, m=m, m1=m + 1, u1=unpadded - 1)
+    pattern = pattern.format(c=culprit, m=m, m1=m + 1, u1=unpadded - 1, w=world)
     assert len(set(errors)) == 1, errors
     got_kind, message = errors[0]
     assert got_kind == kind, errors

@@ -297,6 +297,26 @@ def test_persistent_workers_follow_set_epoch() -> None:
     assert seen[0] != seen[1] != seen[2]
 
 
+def test_persistent_workers_index_one_by_one_after_a_resumed_epoch() -> None:
+    """A worker's copy checks an integer position against the current epoch's length, not the one before."""
+
+    class Backwards(torch.utils.data.Sampler):
+        def __init__(self, share: DistributedDataContainer) -> None:
+            self.share = share
+
+        def __len__(self) -> int:
+            return len(self.share)
+
+        def __iter__(self) -> Any:
+            return iter(range(len(self.share) - 1, -1, -1))
+
+    (ddc,) = shares_of(1, torch.arange(10))
+    loader = DataLoader(ddc, batch_size=None, sampler=Backwards(ddc), num_workers=1, persistent_workers=True)
+    for epoch, start in ((0, 6), (1, 0), (2, 3)):
+        ddc.set_epoch(epoch, start)
+        assert [int(x) for x in loader] == list(range(9, start - 1, -1)), (epoch, start)
+
+
 def test_workers_that_unpickle_share_the_epoch() -> None:
     """Spawn and forkserver workers (the default from Python 3.14 on) get the container pickled.
 
@@ -457,6 +477,23 @@ def test_gather_unpadded_text_arrays_of_different_widths() -> None:
 
     for got in dml.LocalBackend.spawn(2, body):
         assert got.dtype == np.dtype("<U4") and got.tolist() == ["a", "bbbb", "cc"]
+
+
+def test_gather_unpadded_lazy_views_travel_as_their_values() -> None:
+    """A conjugate or negative view (its bit set, not its values) is gathered as what it holds, on any rank."""
+
+    def body(backend: dml.Backend, lazy_rank: int) -> torch.Tensor:
+        share = DistributedDataContainer(backend, np.arange(7))
+        i = torch.as_tensor(share.indices.copy()).to(torch.complex64)
+        values = i * (1 + 2j)
+        if lazy_rank in (backend.rank, -1):  # -1: every rank
+            values = (i * (1 - 2j)).conj() if backend.rank % 2 == 0 else torch._neg_view(-values)
+        return dml.gather_unpadded(backend, values, share)
+
+    expected = torch.arange(7).to(torch.complex64) * (1 + 2j)
+    for lazy_rank in (0, 1, -1):
+        for got in dml.LocalBackend.spawn(3, body, lazy_rank, timeout=30):
+            assert torch.equal(got, expected) and not got.is_conj() and not got.is_neg()
 
 
 def test_gather_unpadded_bad_backend() -> None:
