@@ -78,6 +78,7 @@ from distutils_ml.sharded_rules import check_group, check_shardable, register_el
 from distutils_ml.sharded_state import ShardedState
 from distutils_ml.stepping import (
     describe_positions,
+    grad_mark,
     hyper_parameters,
     same_hyper_parameters,
     step_groups,
@@ -212,7 +213,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         # has not come yet; each gradient (tensor, version) when that backward returned
         self._stepped_here: set[int] = set()
         self._stepped_pending = False
-        self._seen: list[tuple[torch.Tensor, torch.Tensor | None, int]] = []
+        self._seen: list[tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]]] = []
         self._step_failure: BaseException | None = None  # a step on the communication thread raised (this round)
         self._hyper: list[dict[str, Any]] = []  # the groups' settings the shards are stepped with
         self._build(params)
@@ -454,7 +455,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
     def _record_seen(self) -> None:
         """After a round that stepped (``step_during_backward``): each gradient as it is, which ``step()`` checks."""
         if self._stepped_pending:
-            self._seen = [(p, p.grad, -1 if p.grad is None else p.grad._version) for p in self._params]
+            self._seen = [(p, p.grad, grad_mark(p.grad)) for p in self._params]
 
     def _check_reducing_backward(self) -> None:
         if self._stepped_pending:  # kept: step() then refuses too (zero_grad() forgets)
@@ -814,7 +815,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
             if replaced:
                 names = describe_positions(replaced, self._names)
                 problem = f"the gradients of {names} were replaced or cleared since (code of yours)"
-            elif any(g is not None and g._version != v for _, g, v in self._seen):
+            elif any(grad_mark(g) != mark for _, g, mark in self._seen):
                 problem = "the gradients were changed in place since (clipping, unscaling, or code of yours)"
         self._end_step()
         self._forget_stepping()
@@ -827,12 +828,17 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
                 "step_during_backward=False for them"
             )
 
+    def _adopt_replaced(self) -> None:
+        """Copy into the flat gradient buffer each ``.grad`` replaced since the reduction (``p.grad = g.clamp(...)``,
+        or set by hand): what the step and the clipping read there is then what ``.grad`` holds."""
+        for p, view in self._view_pairs():
+            if view is not None and p.grad is not None and not _is_view(p.grad, view):
+                self._adopt(p)
+
     def _step_shard(self) -> None:
         """The shard optimizer's step (pieces of parameters without gradient skipped), then the allgather."""
         self.wait_for_parameters()
-        for p, view in self._view_pairs():
-            if view is not None and p.grad is not None and not _is_view(p.grad, view):
-                self._adopt(p)  # a gradient set by hand after the reduction: this rank's own values
+        self._adopt_replaced()
         self._point_grads(self._pieces)
         self._sync_hyper()
         if self._backend.size == 1:

@@ -21,13 +21,14 @@ __all__ = ["ShardedClipping"]
 
 class ShardedClipping:
     """The clipping of a sharded optimizer (uses its ``_pieces``, ``_params``, ``_backend``, ``_no_sync``,
-    ``synchronize``)."""
+    ``synchronize``, ``_adopt_replaced``)."""
 
     _pieces: list[Any]
     _params: list[torch.Tensor]
     _backend: Any
     _no_sync: bool
     synchronize: Callable[[], None]
+    _adopt_replaced: Callable[[], None]
 
     def clip_grad_norm_(
         self,
@@ -46,7 +47,8 @@ class ShardedClipping:
         NaN norm makes every gradient NaN and an infinite one zeroes the finite ones. Call it on every
         rank, after the step's last ``backward()`` and before ``step()``. Gradients no backward
         reduced (accumulated inside ``no_sync()``, or set by hand) are reduce-scattered first, as
-        ``synchronize()`` and ``step()`` would.
+        ``synchronize()`` and ``step()`` would; a ``.grad`` replaced after backward (``p.grad = p.grad.clamp(-1, 1)``)
+        is measured and clipped as it is, as torch would.
 
         Args:
             max_norm: the largest norm allowed.
@@ -95,6 +97,7 @@ class ShardedClipping:
                 "whole gradient before any parameter moves: use step_during_backward=False to clip"
             )
         self.synchronize()  # reduces only what no backward reduced
+        self._adopt_replaced()  # a .grad replaced since (p.grad = p.grad.clamp(...)) is what torch would measure
         inf = norm_type == float("inf")
         pieces: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for pc in self._pieces:

@@ -29,11 +29,19 @@ from distutils_ml.commthread import CommThread
 __all__ = [
     "BucketStepper",
     "describe_positions",
+    "grad_mark",
     "hyper_parameters",
     "same_hyper_parameters",
     "step_groups",
     "step_optimizer",
 ]
+
+
+def grad_mark(grad: torch.Tensor | None) -> tuple[int, int]:
+    """What a gradient's values are known by: its version counter (bumped by in-place ops) and its storage's
+    address (changed by ``grad.data = ...``); ``(-1, 0)`` for None. A write through ``grad.data`` (a tensor with a
+    counter of its own) moves neither: torch cannot tell it, so neither can this."""
+    return (-1, 0) if grad is None else (grad._version, grad.data_ptr())
 
 
 class BucketStepper:
@@ -42,7 +50,7 @@ class BucketStepper:
     def __init__(self, optimizer: torch.optim.Optimizer, *, threaded: bool) -> None:
         self.optimizer = optimizer
         self._stepped: dict[int, torch.Tensor] = {}
-        self._seen: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._seen: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int]]] = []
         self._hyper: list[dict[str, Any]] = []
         self._subsets: dict[tuple, list[list[torch.Tensor]]] = {}
         # threaded: the steps run on a thread of their own, so that the communication thread, which hands them
@@ -76,7 +84,7 @@ class BucketStepper:
         """After the backward's reduction, once its steps have run: what each stepped parameter's gradient is now
         (checked by ``finish``)."""
         self.wait()
-        self._seen = [(p, p.grad, p.grad._version) for p in self._stepped.values() if p.grad is not None]
+        self._seen = [(p, p.grad, grad_mark(p.grad)) for p in self._stepped.values() if p.grad is not None]
         self._hyper = hyper_parameters(self.optimizer)
 
     def hyper_changed(self) -> bool:
@@ -86,7 +94,7 @@ class BucketStepper:
     def changed(self) -> list[int]:
         """Positions (among the optimizer's parameters that take gradients) of stepped parameters whose gradient
         changed since :meth:`record`."""
-        moved = {id(p) for p, g, version in self._seen if p.grad is not g or g._version != version}
+        moved = {id(p) for p, g, mark in self._seen if p.grad is not g or grad_mark(g) != mark}
         every = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
         return [k for k, p in enumerate(every) if id(p) in moved]
 

@@ -866,8 +866,9 @@ def memory_body(backend: dml.Backend, widths: tuple[int, ...]) -> dict[str, int]
     return {"owned": owned, "total": total, "buckets": buckets}
 
 
-def clip_body(backend: dml.Backend, norm_type: float) -> float:
-    """``opt.clip_grad_norm_`` equals torch's clip_grad_norm_ on the unsharded gradients (norm and parameters)."""
+def clip_body(backend: dml.Backend, norm_type: float, replace: bool = False) -> float:
+    """``opt.clip_grad_norm_`` equals torch's clip_grad_norm_ on the unsharded gradients (norm and parameters);
+    ``replace``: each ``.grad`` replaced after backward (``p.grad = p.grad.clamp(...)``), which both must measure."""
     rank = dml.local_rank(backend)
     models = [Net((5, 8, 2), 4), Net((5, 8, 2), 4)]
     opts = [
@@ -879,6 +880,10 @@ def clip_body(backend: dml.Backend, norm_type: float) -> float:
     for model, opt in zip(models, opts, strict=True):
         opt.zero_grad()
         model(x, side=True).pow(2).sum().backward()
+        if replace:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad = p.grad.clamp(-2.0, 2.0)
     norms.append(float(opts[0].clip_grad_norm_(0.5, norm_type)))
     norms.append(float(torch.nn.utils.clip_grad_norm_(models[1].parameters(), 0.5, norm_type)))
     assert norms[1] > 0.5, "the case must clip"

@@ -170,6 +170,9 @@ def errors_body(backend: dml.Backend, what: str, shard: bool = False) -> str:
         elif what == "in_place":
             model.side.weight.grad.mul_(0.5)
             opt.step()
+        elif what == "data_assigned":  # the same .grad object, other values (its version counter unmoved)
+            model.side.weight.grad.data = model.side.weight.grad.data * 0.5
+            opt.step()
         elif what == "twice":
             if shard:  # cleared by hand, not by zero_grad(), which the sharded buffers ask for first
                 for p in model.parameters():

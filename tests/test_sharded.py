@@ -168,10 +168,11 @@ def test_optimizer_state_per_rank_is_a_wth(world: int) -> None:
     assert sum(e["owned"] for e in every) == every[0]["total"]
 
 
+@pytest.mark.parametrize("replace", [False, True], ids=["in_buffer", "grad_replaced"])
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_clip_grad_norm_from_the_shards(world: int, norm_type: float) -> None:
-    norms = dml.LocalBackend.spawn(world, clip_body, norm_type, timeout=60)
+def test_clip_grad_norm_from_the_shards(world: int, norm_type: float, replace: bool) -> None:
+    norms = dml.LocalBackend.spawn(world, clip_body, norm_type, replace, timeout=60)
     assert all(n == norms[0] for n in norms)
 
 

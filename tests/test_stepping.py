@@ -28,7 +28,7 @@ def test_stepping_during_backward_is_bit_identical_to_stepping_after(case: sb.St
     dml.LocalBackend.spawn(world, sb.equivalence_body, case)
 
 
-@pytest.mark.parametrize("what", ["clip", "scaler", "replaced", "in_place", "twice", "closure", "lr"])
+@pytest.mark.parametrize("what", ["clip", "scaler", "replaced", "in_place", "data_assigned", "twice", "closure", "lr"])
 @pytest.mark.parametrize("world", [1, 3])
 @pytest.mark.parametrize("shard", [False, True])
 def test_what_cannot_be_exact_raises_on_every_rank(shard: bool, world: int, what: str) -> None:
