@@ -29,6 +29,7 @@ __all__ = [
     "cuda_tensor",
     "dtype_name",
     "not_contiguous",
+    "overlap_error",
     "pinned_like",
     "torch_dtype_name",
     "unusual_tensor",
@@ -277,14 +278,30 @@ def not_contiguous(name: str, shape: Any) -> ValueError:
     )
 
 
+def _array_subclass(buf: np.ndarray, name: str) -> TypeError | None:
+    """An error for a subclass of ``numpy.ndarray`` other than ``np.memmap`` (plain data), or None: a masked
+    array's mask would be dropped or mixed, and ``np.matrix`` keeps two axes where a row is indexed."""
+    if type(buf) in (np.ndarray, np.memmap):
+        return None
+    return TypeError(
+        f"{name}: got a {type(buf).__module__}.{type(buf).__qualname__}, a subclass of numpy.ndarray whose own "
+        "rules (a mask, matrix indexing) a collective cannot keep; allowed: plain NumPy arrays and CPU tensors. "
+        "Pass np.asarray(buf) (for a masked array, its data and np.ma.getmaskarray(buf) apart)"
+    )
+
+
 def result_view(buf: Any, name: str) -> tuple[np.ndarray, str]:
     """A writable, C-contiguous NumPy view of a buffer that receives a result, and its dtype name.
 
     Raises:
-        TypeError: not a NumPy array or CPU tensor, or an unsupported dtype.
+        TypeError: not a NumPy array or CPU tensor (a subclass of ndarray but ``np.memmap`` included), or an
+            unsupported dtype.
         ValueError: not C-contiguous, or read-only.
     """
     if isinstance(buf, np.ndarray):
+        subclass = _array_subclass(buf, name)
+        if subclass is not None:
+            raise subclass
         dt = _NP_DTYPES.get(buf.dtype)
         if dt is None:
             raise TypeError(f"{name}: dtype {buf.dtype} is not supported; allowed: {_ALLOWED_DTYPES}")
@@ -299,9 +316,17 @@ def result_view(buf: Any, name: str) -> tuple[np.ndarray, str]:
     raise _type_error(buf, name)
 
 
-def source_view(buf: Any, name: str) -> tuple[np.ndarray, str]:
-    """A C-contiguous NumPy array with ``buf``'s data (a view where possible, else a copy), and its dtype name."""
+def source_view(buf: Any, name: str, recv: np.ndarray | None = None) -> tuple[np.ndarray, str]:
+    """A C-contiguous NumPy array with ``buf``'s data (a view where possible, else a copy), and its dtype name.
+
+    Raises:
+        ValueError: ``buf``'s memory overlaps ``recv``'s (the result buffer of the same call), told apart before a
+            non-contiguous ``buf`` is copied.
+    """
     if isinstance(buf, np.ndarray):
+        subclass = _array_subclass(buf, name)
+        if subclass is not None:
+            raise subclass
         dt = _NP_DTYPES.get(buf.dtype)
         if dt is None:
             raise TypeError(f"{name}: dtype {buf.dtype} is not supported; allowed: {_ALLOWED_DTYPES}")
@@ -309,9 +334,15 @@ def source_view(buf: Any, name: str) -> tuple[np.ndarray, str]:
         buf, dt = _torch_view(buf, name, False)
     else:
         raise _type_error(buf, name)
+    if recv is not None and np.may_share_memory(buf, recv):
+        raise overlap_error()
     if not buf.flags.c_contiguous:
         buf = np.ascontiguousarray(buf)
     return buf, dt
+
+
+def overlap_error() -> ValueError:
+    return ValueError("sendbuf and recvbuf overlap; pass the same buffer once for the in-place form")
 
 
 def to_float32(buf: Any, arr: np.ndarray) -> np.ndarray:

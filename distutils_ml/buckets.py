@@ -69,8 +69,11 @@ __all__ = [
     "default_bucket_bytes",
     "default_overlap",
     "encode_order",
+    "identity_differs",
+    "identity_error",
     "in_reentrant_backward",
     "is_slice",
+    "machine_identity",
     "order_mismatch",
     "ring_array",
     "spans_hosts",
@@ -326,6 +329,45 @@ def order_mismatch(
         return None
     mean = order[:, 1] / order[:, 0]
     return order[:, 2] / order[:, 0] - mean * mean > 1e-3
+
+
+#: How many gradient machines (optimizers, reductions in backward, ``allreduce_gradients``' reducers) each backend
+#: has made: the k-th one of a backend is the same one on every rank, whose programs make them in the same order.
+_MADE: weakref.WeakKeyDictionary[Backend, int] = weakref.WeakKeyDictionary()
+
+
+def machine_identity(backend: Backend) -> int:
+    """The number of a new gradient machine on ``backend`` (0, 1, ...), which each round's header carries: the
+    rounds of two machines sharing a backend pair with each other across ranks in the order they happen, and a
+    rank whose order differs (one machine had no gradient there in a backward that reached another) would add
+    one machine's gradients to another's; the header tells it and every rank raises (:func:`identity_error`)."""
+    with _OWNERS_LOCK:
+        made = _MADE.get(backend, 0)
+        _MADE[backend] = made + 1
+    return made
+
+
+def identity_differs(row: np.ndarray, size: int, head_op: ReduceOp, levels: int | None, *, averaged: bool) -> bool:
+    """Whether the ranks' machine numbers (written by :func:`encode_order` as a bucket always ready, into the
+    header's ``row`` of 3) differ: the ranks paired rounds of different machines. Not comparable, so False, where
+    some rank sent no header of its own (inside ``dml.join``, a rank that has joined sends zeros)."""
+    differs = order_mismatch(row.reshape(1, 3), size, head_op, levels, averaged=averaged)
+    return differs is not None and bool(differs[0])
+
+
+def identity_error(caller: str, identity: int) -> RuntimeError:
+    """The error every rank raises when a round paired with another machine's round on some rank."""
+    return RuntimeError(
+        f"{caller}: this round's reduction was paired, on some rank, with the reduction of another optimizer or "
+        f"gradient reduction on the same backend (this one is number {identity} made on it): several of them share "
+        "the backend, and their reductions pair across ranks in the order they happen, which differed between "
+        "ranks here. Usually one of them had no gradient on some rank in a backward that reached another one's "
+        "parameters (its reduction then waited for step()), or their gradients became ready in another order. The "
+        "gradients of this backward are not reduced; do not step them. Make every rank's backward reach the same "
+        "optimizers' parameters in the same order (use each one's parameters on every rank, e.g. add "
+        "0 * p.sum() of an unused one to the loss), or give all parameters to one DistributedOptimizer. They must "
+        "also be created in the same order on every rank"
+    )
 
 
 def order_error(caller: str, k: int, nb: int, names: list[str]) -> RuntimeError:

@@ -64,8 +64,6 @@ def _check_match(send: np.ndarray, sdt: str, recv: np.ndarray, rdt: str, shape: 
         raise ValueError(f"recvbuf: got shape {tuple(recv.shape)}, expected {shape} (from sendbuf {tuple(send.shape)})")
     if sdt != rdt:
         raise ValueError(f"recvbuf: got dtype {rdt}, expected sendbuf's dtype {sdt}")
-    if np.may_share_memory(send, recv):
-        raise ValueError("sendbuf and recvbuf overlap; pass the same buffer once for the in-place form")
 
 
 def _two_buffers(sendbuf: Any, recvbuf: Any) -> tuple[np.ndarray | None, np.ndarray, str]:
@@ -73,7 +71,7 @@ def _two_buffers(sendbuf: Any, recvbuf: Any) -> tuple[np.ndarray | None, np.ndar
     recv, dt = result_view(recvbuf, "recvbuf")
     if sendbuf is recvbuf:
         return None, recv, dt
-    send, sdt = source_view(sendbuf, "sendbuf")
+    send, sdt = source_view(sendbuf, "sendbuf", recv)
     _check_match(send, sdt, recv, dt, tuple(send.shape))
     return send, recv, dt
 
@@ -275,7 +273,7 @@ def allgather(backend: Backend, sendbuf: Any, recvbuf: T) -> T:
     try:
         try:
             recv, rdt = result_view(recvbuf, "recvbuf")
-            send, sdt = source_view(sendbuf, "sendbuf")
+            send, sdt = source_view(sendbuf, "sendbuf", recv)
         except OnDevice:
             return _on_device("allgather", backend, sendbuf, recvbuf)
         _check_match(send, sdt, recv, rdt, (backend.size, *send.shape))
@@ -370,7 +368,7 @@ def _reduce_scatter(backend: Backend, sendbuf: Any, recvbuf: Any, op: ReduceOp) 
                     "dml.reduce_scatter(backend, buf, op) (the result lands in buf[rank])"
                 )
             recv, dt = result_view(recvbuf, "recvbuf")
-            send, sdt = source_view(sendbuf, "sendbuf")
+            send, sdt = source_view(sendbuf, "sendbuf", recv)
             _check_match(send, sdt, recv, dt, _scatter_rows(backend, send.shape, "sendbuf"))
     except OnDevice:
         return _on_device("reduce_scatter", backend, sendbuf, recvbuf, op)

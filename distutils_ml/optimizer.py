@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from distutils_ml.backends.base import Backend, ReduceOp, check_backend, resolve_op
-from distutils_ml.buckets import BucketBytes, default_bucket_bytes, default_overlap
+from distutils_ml.buckets import BucketBytes, default_bucket_bytes, default_overlap, machine_identity
 from distutils_ml.collectives import allgather
 from distutils_ml.optimizer_base import DataParallelOptimizer, Phase, check_sparse_as_dense
 from distutils_ml.reducer import GradientReducer, ranks_text
@@ -97,13 +97,24 @@ def allreduce_gradients(
         reducers = _REDUCERS.setdefault(backend, {})
         if key not in reducers:
             reducers[key] = GradientReducer(
-                "allreduce_gradients", *key[:2], None, params=list, labels=list, fix=_FIX_ALLREDUCE
+                "allreduce_gradients",
+                *key[:2],
+                None,
+                params=list,
+                labels=list,
+                fix=_FIX_ALLREDUCE,
+                identity=_CALL_IDENTITY,  # a call's reduction, ordered by the program like any collective
             )
             reducers[key].sparse_as_dense = sparse_as_dense
         reducer = reducers[key]
     reducer.use(lambda: params, lambda: labels)
     reducer.reduce(backend)
 
+
+#: The number allreduce_gradients' reducers carry in their headers: not one from buckets.machine_identity, since its
+#: cache of reducers (one per setting) may differ across ranks after a call that raised; the headers compare it
+#: modulo 16 (4 in half precision), so it stands apart from the first 15 (3) machines made on a backend.
+_CALL_IDENTITY = 2**20 - 1
 
 _FIX_ALLREDUCE = "Call allreduce_gradients with the same op, bucket_bytes and sparse_as_dense"
 _FIX_OPTIMIZER = "Create DistributedOptimizer with the same op, bucket_bytes and communication_dtype"
@@ -189,6 +200,7 @@ def reduce_gradients_in_backward(
         params=current,
         labels=names,
         fix=_FIX_BACKWARD,
+        identity=machine_identity(backend),
     )
     reducer.sparse_as_dense = check_sparse_as_dense(sparse_as_dense)
     reducer.attach(backend, overlap=default_overlap(backend) if overlap is None else bool(overlap))
@@ -276,6 +288,14 @@ class DistributedOptimizer(DataParallelOptimizer):
             return ShardedOptimizer(*args, shard_state=True, **kwargs)  # not a subtype: __init__ runs once, here
         return super().__new__(cls)
 
+    def _labels(self) -> list[str]:
+        """Names of the parameters for error messages, read once the bucket steps in flight have run (each swaps the
+        groups' parameter lists for its own while it runs, on the stepping thread)."""
+        stepper = getattr(self, "_stepper", None)
+        if stepper is not None:
+            stepper.settle()
+        return super()._labels()
+
     def _setup(self, op: Any, bucket_bytes: int | None, communication_dtype: Any, overlap: bool | None) -> None:
         backend = self._backend
         self._reducer = GradientReducer(
@@ -286,6 +306,7 @@ class DistributedOptimizer(DataParallelOptimizer):
             params=self._params_now,
             labels=self._labels,
             fix=_FIX_OPTIMIZER,
+            identity=machine_identity(backend),
         )
         self._reducer.rescaled = True  # dml.join: average_over
         self._op = self._reducer.op

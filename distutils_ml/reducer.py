@@ -35,6 +35,8 @@ from distutils_ml.buckets import (
     check_communication_dtype,
     cut_buckets,
     encode_order,
+    identity_differs,
+    identity_error,
     is_slice,
     order_error,
     order_mismatch,
@@ -85,8 +87,10 @@ class GradientReducer(BucketMachine):
         params: Callable[[], list[torch.Tensor]],
         labels: Callable[[], list[str]],
         fix: str,
+        identity: int,
     ) -> None:
         self.caller = caller
+        self.identity = identity  # buckets.machine_identity: its number on its backend, carried by the header
         self.op = resolve_op(op)
         self.bucket_bytes = bucket_bytes  # checked by default_bucket_bytes, which every caller goes through
         self.comm_dtype = check_communication_dtype(communication_dtype)
@@ -178,7 +182,7 @@ class GradientReducer(BucketMachine):
         assert head_key is not None
         self._head_dtype = head_key[0]
         self._levels = 4 if head_key[0] in _HALVES else 16
-        head = 2 * n + 1 + 3 * len(groups)
+        head = 2 * n + 1 + 3 * len(groups) + 3  # the flags, the changed mark, the sparse marks, the order, the number
         buckets = []
         for k, (direct, key, members) in enumerate(groups):
             if direct:
@@ -432,7 +436,8 @@ class GradientReducer(BucketMachine):
         values[:n] = state.has
         values[n] = 1.0 if state.changed else 0.0
         values[n + 1 + np.fromiter(state.sparse_seen, dtype=np.int64)] = 1.0
-        encode_order(values[2 * n + 1 :].reshape(nb, 3), state.ready_at, state.task, self._head_op, levels)
+        encode_order(values[2 * n + 1 : -3].reshape(nb, 3), state.ready_at, state.task, self._head_op, levels)
+        encode_order(values[-3:].reshape(1, 3), [self.identity], 0, self._head_op, levels)
         assert bucket.flat is not None
         bucket.flat[: bucket.head].copy_(torch.from_numpy(values))
 
@@ -442,6 +447,8 @@ class GradientReducer(BucketMachine):
         assert head_bucket.flat is not None
         n, nb = len(self._params), len(self._buckets)
         head = head_bucket.flat[: head_bucket.head].double().cpu().numpy()
+        if identity_differs(head[-3:], backend.size, self._head_op, self._levels, averaged=self.op is ReduceOp.AVG):
+            raise identity_error(self.caller, self.identity)  # first: nothing else in this header is this round's
         if head[n] > 0:  # before any gradient is put back: a changed parameter may no longer fit its slot
             raise RuntimeError(
                 f"{self.caller}: the parameters changed after the reduction plan was built (a parameter was "
@@ -473,7 +480,7 @@ class GradientReducer(BucketMachine):
                 self._sparse_ids.add(id(p))
             self._plan_key = None
         if state.task >= 0:
-            self._check_order(backend, head[2 * n + 1 :].reshape(nb, 3))
+            self._check_order(backend, head[2 * n + 1 : -3].reshape(nb, 3))
 
     def _rescale(self, state: Round) -> None:
         """Multiply every reduced gradient by ``scale`` (dml.join: an average over the ranks that had data)."""

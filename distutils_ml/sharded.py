@@ -62,7 +62,10 @@ from distutils_ml.buckets import (
     default_bucket_bytes,
     default_overlap,
     encode_order,
+    identity_differs,
+    identity_error,
     is_slice,
+    machine_identity,
     order_error,
     order_mismatch,
     ring_array,
@@ -176,6 +179,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
                 "allgathers with forward)"
             )
         backend = self._backend
+        self._identity = machine_identity(backend)  # carried by every round's header
         self._op = resolve_op(op)
         self._wire = check_communication_dtype(communication_dtype)
         self._bucket_bytes = default_bucket_bytes(backend, bucket_bytes)
@@ -239,9 +243,10 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         self._names = self._labels()
         self._index = {id(p): i for i, p in enumerate(params)}
         self._offset, self._flats, self._buckets, self._bucket_of, self._views, self._values, self._pieces = layout
-        # per parameter, the changed mark, 3 per bucket (ready order), 1 per bucket (stepped during backward), failed
+        # per parameter, the changed mark, 3 per bucket (ready order), 1 per bucket (stepped during backward), 3 for
+        # the machine's number (buckets.machine_identity), failed
         nb = len(layout.buckets)
-        self._head = torch.zeros(self._backend.size, len(params) + 2 + 4 * nb, dtype=torch.float64)
+        self._head = torch.zeros(self._backend.size, len(params) + 5 + 4 * nb, dtype=torch.float64)
         self._scratch.clear()
         self._inner = self._shard_optimizer(layout.pieces)
         # per bucket, then one entry for parameters without elements: (this rank's pieces, their tensors per group)
@@ -595,7 +600,8 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
 
     def _tail_at(self) -> int:
         """Where the header's tail starts (after a column per parameter, the changed mark and 3 per bucket): per
-        bucket on how many ranks it was stepped during the round, then whether a step raised."""
+        bucket on how many ranks it was stepped during the round, then the machine's number (3), then whether a step
+        raised."""
         return len(self._params) + 1 + 3 * len(self._buckets)
 
     def _write_head(self, state: Round) -> None:
@@ -606,6 +612,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
             row[i] = 1.0 if (state.has[i] if self._bucket_of[i] >= 0 else p.grad is not None) else 0.0
         row[n] = 1.0 if state.changed else 0.0
         encode_order(row[n + 1 : self._tail_at()].reshape(nb, 3), state.ready_at, state.task, ReduceOp.SUM, None)
+        encode_order(row[-4:-1].reshape(1, 3), [self._identity], 0, ReduceOp.SUM, None)
         self._head.copy_(torch.from_numpy(row).expand_as(self._head))
 
     def _finish(self, backend: Backend, state: Round) -> None:
@@ -614,6 +621,8 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         row = self._head[self._backend.rank].numpy()
         if self._step_during_backward:  # on every rank, whatever follows: step() then finishes or refuses
             self._stepped_pending = True
+        if identity_differs(row[-4:-1], size, ReduceOp.SUM, None, averaged=False):
+            raise identity_error(self.caller, self._identity)  # first: nothing else in this header is this round's
         somebody = row[:n] > 0
         for i, p in enumerate(self._params):
             if not somebody[i] and self._views[i] is not None:
@@ -645,7 +654,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         stepped now where it was not (a gradient no rank had is None, and skipped, as in ``step()``), and every rank
         allgathers it again. Parameters without elements are stepped here too."""
         nb = len(self._buckets)
-        stepped_on, failed_on = tail[:nb], round(float(tail[nb]))
+        stepped_on, failed_on = tail[:nb], round(float(tail[-1]))
         mine, self._step_failure = self._step_failure, None
         here, self._stepped_here = self._stepped_here, set()
         if failed_on:

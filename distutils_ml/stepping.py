@@ -80,6 +80,12 @@ class BucketStepper:
         if self._worker is not None:
             self._worker.wait()
 
+    def settle(self) -> None:
+        """Return once every step handed over has run, keeping an error for :meth:`wait` (a step swaps the groups'
+        parameter lists for its subset while it runs: read ``param_groups`` after this)."""
+        if self._worker is not None:
+            self._worker.wait(errors=False)
+
     def record(self) -> None:
         """After the backward's reduction, once its steps have run: what each stepped parameter's gradient is now
         (checked by ``finish``)."""

@@ -357,6 +357,8 @@ def bad_calls(backend: dml.Backend) -> list[tuple[str, type[Exception], str, Any
     t32 = torch.zeros(4)
     ro = np.zeros(4, dtype=np.float32)
     ro.flags.writeable = False
+    sq, tsq = np.zeros((2, 2), dtype=np.float32), torch.zeros(2, 2)
+    g32 = np.zeros((size, 4), dtype=np.float32)
     b = backend
     return [
         ("unknown op string", ValueError, "op: got 'mean'", lambda: dml.allreduce(b, f32, "mean")),
@@ -376,6 +378,11 @@ def bad_calls(backend: dml.Backend) -> list[tuple[str, type[Exception], str, Any
         ("allgather wrong leading axis", ValueError, f"expected ({size}, 4)", lambda: dml.allgather(b, f32, np.zeros((size + 1, 4), np.float32))),
         ("allgather missing axis", ValueError, "recvbuf: got shape (4,)", lambda: dml.allgather(b, f32, np.zeros(4, np.float32))),
         ("overlapping buffers", ValueError, "overlap", lambda: dml.allreduce(b, f32[0:3], f32[1:4], dml.SUM)),
+        ("overlapping, the send strided", ValueError, "overlap", lambda: dml.allreduce(b, sq.T, sq, dml.SUM)),
+        ("overlapping torch, strided", ValueError, "overlap", lambda: dml.reduce(b, tsq.T, tsq, dml.SUM)),
+        ("overlapping allgather, strided", ValueError, "overlap", lambda: dml.allgather(b, g32[0, ::2], g32)),
+        ("masked array", TypeError, "MaskedArray, a subclass of numpy.ndarray", lambda: dml.allreduce(b, np.ma.masked_array(f32), dml.SUM)),
+        ("matrix send", TypeError, "matrix, a subclass", lambda: dml.reduce_scatter(b, np.asmatrix(np.zeros((size, 2))), np.zeros(2), dml.SUM)),
         ("list buffer", TypeError, "allowed: numpy.ndarray, torch.Tensor (CPU or CUDA) or a CuPy array", lambda: dml.allreduce(b, [1.0, 2.0], dml.SUM)),
         ("scalar buffer", TypeError, "buf: got builtins.float", lambda: dml.bcast(b, 1.0)),
         ("complex dtype", TypeError, "complex128", lambda: dml.allreduce(b, np.zeros(2, complex), dml.SUM)),

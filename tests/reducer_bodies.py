@@ -275,3 +275,71 @@ def buffers_body(backend: dml.Backend, overlap: bool) -> None:
     for (n, b), q in zip(model.named_buffers(), replicas[rank].buffers(), strict=True):
         torch.testing.assert_close(b, q, rtol=1e-10, atol=1e-12, msg=n)
     replicas_identical(backend, torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist())
+
+
+TWO_OPTIMIZER_CASES = ("unused_first", "unused_second", "order")
+
+
+def two_optimizers_body(backend: dml.Backend, overlap: bool, shard: bool, how: str) -> list[Any]:
+    """Two optimizers on one backend whose reductions the last rank reaches in another order (``how``: the first's
+    layer unused there, or the second's, or the loss terms the other way round): every rank gets the gradients
+    of one process on all the ranks' batches, or every rank raises; never another optimizer's gradients. Returns
+    what each case gave here (the gradients, or the error's class); the world goes on after each."""
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+    g = torch.Generator().manual_seed(5)
+    layers = [torch.nn.Linear(3, 2).double() for _ in range(2)]
+    with torch.no_grad():
+        for p in (p for layer in layers for p in layer.parameters()):
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+    opts = [
+        dml.DistributedOptimizer(
+            backend, torch.optim.SGD(layer.parameters(), lr=0.1), overlap=overlap, shard_state=shard
+        )
+        for layer in layers
+    ]
+    x = [torch.randn(2, 3, generator=_gen(10 + r), dtype=torch.float64) * (r + 1) for r in range(size)]
+    last = size - 1
+
+    def terms(r: int) -> list[int]:
+        """The layers rank ``r``'s loss uses, in the order it adds them."""
+        if r != last:
+            return [0, 1]
+        return {"unused_first": [1], "unused_second": [0], "order": [1, 0]}[how]
+
+    sum(layers[k](x[rank]).sum() for k in (0, 1)).backward()  # a first round alike everywhere: the plans are built
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    expected = []
+    for k, layer in enumerate(layers):  # one process: the mean over ranks of each rank's own gradient
+        want = torch.zeros_like(layer.weight)
+        for r in range(size):
+            if k in terms(r):
+                w = layer.weight.detach().clone().requires_grad_(True)
+                (torch.nn.functional.linear(x[r], w, layer.bias.detach()).pow(2).sum()).backward()
+                want += w.grad
+        expected.append(want / size)
+    try:
+        sum(layers[k](x[rank]).pow(2).sum() for k in terms(rank)).backward()
+        for opt in opts:
+            opt.synchronize()  # what the step reads; with shard_state=True the whole gradient is not kept
+        got = [None if layer.weight.grad is None else layer.weight.grad.clone() for layer in layers]
+    except RuntimeError as e:
+        assert "paired, on some rank, with the reduction of another optimizer" in str(e), e
+        outcome: list[Any] = ["RuntimeError"]
+    else:
+        if not shard:
+            for k in range(2):
+                assert got[k] is not None and torch.allclose(got[k], expected[k], rtol=1e-12, atol=1e-12), (
+                    how,
+                    k,
+                    got[k],
+                    expected[k],
+                )
+        outcome = ["reduced"]
+    for opt in opts:
+        opt.zero_grad()
+    check = torch.full((1,), float(rank))
+    dml.allreduce(backend, check, dml.SUM)  # the world goes on: nothing of the case is left in flight
+    assert check.item() == size * (size - 1) / 2, check
+    return outcome

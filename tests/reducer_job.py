@@ -35,6 +35,11 @@ def main(names: list[str]) -> None:
             world, train_bodies.train_overlap_body, train_bodies.train_cases(), 15
         ),
         "unused_overlap": lambda: guarded(train_bodies.unused_parameters_body, world, 2, True),
+        "two_optimizers": lambda: [
+            guarded(reducer_bodies.two_optimizers_body, world, False, shard, how)
+            for shard in (False, True)
+            for how in reducer_bodies.TWO_OPTIMIZER_CASES
+        ],
     }
     run_checks(world, names or list(checks), "REDUCER CHECKS PASSED", lambda name: checks[name]())
 

@@ -12,12 +12,14 @@ import distutils_ml as dml
 import shared
 from mpirun import assert_checks_passed, requires_mpi
 from reducer_bodies import (
+    TWO_OPTIMIZER_CASES,
     GradCase,
     buffers_body,
     collective_in_backward_body,
     errors_body,
     grad_cases,
     grads_ready_body,
+    two_optimizers_body,
 )
 from train_bodies import TrainCase, train_cases, train_overlap_body, unused_parameters_body
 
@@ -44,6 +46,18 @@ def test_unused_parameters_never_hang_with_overlap(world: int) -> None:
 def test_errors_are_raised_on_every_rank(world: int, overlap: bool) -> None:
     seen = dml.LocalBackend.spawn(world, errors_body, overlap, timeout=60)
     assert all(s == seen[0] for s in seen) and len(seen[0]) == (3 if world > 1 else 2), seen
+
+
+@pytest.mark.parametrize("how", TWO_OPTIMIZER_CASES)
+@pytest.mark.parametrize("shard", [False, True], ids=["unsharded", "sharded"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_two_optimizers_reached_in_another_order_raise_instead_of_mixing(world: int, shard: bool, how: str) -> None:
+    """Without overlap every reduction waits for the end of backward (or step()): the rounds pair in the order they
+    happen, and a pairing of the two optimizers' rounds raises on every rank (it mixed their gradients silently)."""
+    seen = dml.LocalBackend.spawn(world, two_optimizers_body, False, shard, how, timeout=60)
+    assert all(s == seen[0] for s in seen), seen
+    if how != "unused_first":  # the last rank's second optimizer reduces first there: paired with the first's
+        assert seen[0] == ["RuntimeError"], seen
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -95,7 +109,7 @@ REDUCER_JOB = shared.register("reducer", "reducer_job", timeout=300)
 def test_reducer_job_under_mpiexec(ranks: int) -> None:
     job = shared.job(ranks, REDUCER_JOB)
     assert job.returncode == 0, job.output[-8000:]
-    checks = "grads_ready errors collective_in_backward buffers train_overlap unused_overlap"
+    checks = "grads_ready errors collective_in_backward buffers train_overlap unused_overlap two_optimizers"
     assert f"REDUCER CHECKS PASSED: {checks} on {ranks} ranks" in job.output, job.output[-8000:]
     assert_checks_passed(job, checks.split(), ranks)
 

@@ -36,6 +36,37 @@ def test_what_cannot_be_exact_raises_on_every_rank(shard: bool, world: int, what
     assert len(messages) == world
 
 
+def _flipped_order_body(backend: dml.Backend, bucket_bytes: int) -> str:
+    """All parameters used everywhere, the loss's terms in another order on the last rank: the order check's error
+    names the parameters, read while the stepping thread may still hold a bucket's subset of the groups."""
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.nn.Linear(4, n).double() for n in (4, 4, 3))
+    params = [p for m in (a, b, c) for p in m.parameters()]
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+    _opt = dml.DistributedOptimizer(  # kept: its hooks reduce the backward
+        backend, torch.optim.SGD(params, lr=0.1), step_during_backward=True, overlap=True, bucket_bytes=bucket_bytes
+    )
+    x = torch.ones(2, 4, dtype=torch.float64) * (backend.rank + 1)
+    if backend.rank == backend.size - 1:  # the forward, and so the backward, in another order
+        loss = c(torch.tanh(b(x))).pow(2).mean() + a(x).pow(2).mean()
+    else:
+        loss = a(x).pow(2).mean() + c(torch.tanh(b(x))).pow(2).mean()
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        assert "gradients became ready in a different order on different ranks" in str(e), e
+        return "refused"
+    return "accepted"
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 64])
+def test_an_order_differing_across_ranks_is_named_while_buckets_step(bucket_bytes: int) -> None:
+    for _ in range(3):  # the stepping thread's timing varies
+        assert dml.LocalBackend.spawn(2, _flipped_order_body, bucket_bytes, timeout=60) == ["refused"] * 2
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("shard", [False, True])
 def test_loading_a_state_between_a_stepping_backward_and_step_is_refused(shard: bool, overlap: bool) -> None:
