@@ -355,15 +355,22 @@ def identity_differs(row: np.ndarray, size: int, head_op: ReduceOp, levels: int 
     return differs is not None and bool(differs[0])
 
 
-def identity_error(caller: str, identity: int) -> RuntimeError:
-    """The error every rank raises when a round paired with another machine's round on some rank."""
+def identity_error(caller: str, identity: int, *, stepped: bool = False) -> RuntimeError:
+    """The error every rank raises when a round paired with another machine's round on some rank (``stepped``: its
+    buckets were stepped as they landed, ``step_during_backward``)."""
+    done = (
+        "Its buckets were stepped as they landed (step_during_backward=True) with those wrong sums: restore the last "
+        "checkpoint. "
+        if stepped
+        else "The gradients of this backward are not reduced; do not step them. "
+    )
     return RuntimeError(
         f"{caller}: this round's reduction was paired, on some rank, with the reduction of another optimizer or "
         f"gradient reduction on the same backend (this one is number {identity} made on it): several of them share "
         "the backend, and their reductions pair across ranks in the order they happen, which differed between "
         "ranks here. Usually one of them had no gradient on some rank in a backward that reached another one's "
-        "parameters (its reduction then waited for step()), or their gradients became ready in another order. The "
-        "gradients of this backward are not reduced; do not step them. Make every rank's backward reach the same "
+        "parameters (its reduction then waited for step()), or their gradients became ready in another order. "
+        f"{done}Make every rank's backward reach the same "
         "optimizers' parameters in the same order (use each one's parameters on every rank, e.g. add "
         "0 * p.sum() of an unused one to the loss), or give all parameters to one DistributedOptimizer. They must "
         "also be created in the same order on every rank"

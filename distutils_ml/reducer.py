@@ -448,7 +448,8 @@ class GradientReducer(BucketMachine):
         n, nb = len(self._params), len(self._buckets)
         head = head_bucket.flat[: head_bucket.head].double().cpu().numpy()
         if identity_differs(head[-3:], backend.size, self._head_op, self._levels, averaged=self.op is ReduceOp.AVG):
-            raise identity_error(self.caller, self.identity)  # first: nothing else in this header is this round's
+            stepped = self.step_bucket is not None and state.task >= 0  # step_during_backward: buckets were stepped
+            raise identity_error(self.caller, self.identity, stepped=stepped)  # first: the rest is not this round's
         if head[n] > 0:  # before any gradient is put back: a changed parameter may no longer fit its slot
             raise RuntimeError(
                 f"{self.caller}: the parameters changed after the reduction plan was built (a parameter was "

@@ -622,7 +622,8 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         if self._step_during_backward:  # on every rank, whatever follows: step() then finishes or refuses
             self._stepped_pending = True
         if identity_differs(row[-4:-1], size, ReduceOp.SUM, None, averaged=False):
-            raise identity_error(self.caller, self._identity)  # first: nothing else in this header is this round's
+            # first: nothing else in this header is this round's
+            raise identity_error(self.caller, self._identity, stepped=self._step_during_backward)
         somebody = row[:n] > 0
         for i, p in enumerate(self._params):
             if not somebody[i] and self._views[i] is not None:
