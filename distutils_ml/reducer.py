@@ -239,11 +239,22 @@ class GradientReducer(BucketMachine):
     def _begin(self, backend: Backend, *, now: bool) -> bool:
         if now:
             self.plan(backend)
+            self._refresh_slots()
             return False
         changed = self._plan_key is not None and self._key(self._params_of()) != self._plan_key
         if self._plan_key is None:
             self.plan(backend)
+        self._refresh_slots()
         return changed
+
+    def _refresh_slots(self) -> None:
+        """Make each slot's shaped view, which ``.grad`` is made, a view of its bucket again where it stopped being
+        one: ``p.grad.data = ...`` or ``p.grad.set_(...)`` moved that tensor's storage out of the bucket (the values
+        it holds now are the user's ``.grad``: not a slice of the bucket, it is copied in when the bucket is sent)."""
+        for bucket in self._buckets:
+            for k, (i, flat, shaped) in enumerate(bucket.slots):
+                if shaped.data_ptr() != flat.data_ptr() or shaped.shape != self._params[i].shape:
+                    bucket.slots[k] = (i, flat, flat.view(self._params[i].shape))
 
     def _reduced_in_backward(self) -> None:
         self.on_reduced()

@@ -243,6 +243,8 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         self._names = self._labels()
         self._index = {id(p): i for i, p in enumerate(params)}
         self._offset, self._flats, self._buckets, self._bucket_of, self._views, self._values, self._pieces = layout
+        # the same places of the flat gradients, never handed out: what _views[i] must stay a view of
+        self._anchors = [None if v is None else v.view(v.shape) for v in self._views]
         # per parameter, the changed mark, 3 per bucket (ready order), 1 per bucket (stepped during backward), 3 for
         # the machine's number (buckets.machine_identity), failed
         nb = len(layout.buckets)
@@ -451,6 +453,7 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
         if self._step_during_backward:  # the buckets may be stepped on the communication thread: read them now
             self._sync_hyper()
             self._hyper = hyper_parameters(self.optimizer)
+        self._refresh_views()
         return self._changed()
 
     def _reduced_in_backward(self) -> None:
@@ -838,9 +841,22 @@ class ShardedOptimizer(DataParallelOptimizer, BucketMachine, ShardedState, Shard
                 "step_during_backward=False for them"
             )
 
+    def _refresh_views(self) -> None:
+        """Make each parameter's view of the flat gradients, which ``.grad`` is made, a view of it again where it
+        stopped being one: ``p.grad.data = ...`` or ``p.grad.set_(...)`` moved that tensor's storage out of the
+        buffer (it then holds the user's gradient, which :meth:`_adopt` copies in like any replaced one)."""
+        for i, (view, anchor) in enumerate(zip(self._views, self._anchors, strict=True)):
+            if (
+                view is not None
+                and anchor is not None
+                and (view.data_ptr() != anchor.data_ptr() or view.shape != anchor.shape)
+            ):
+                self._views[i] = anchor.view(anchor.shape)
+
     def _adopt_replaced(self) -> None:
         """Copy into the flat gradient buffer each ``.grad`` replaced since the reduction (``p.grad = g.clamp(...)``,
         or set by hand): what the step and the clipping read there is then what ``.grad`` holds."""
+        self._refresh_views()
         for p, view in self._view_pairs():
             if view is not None and p.grad is not None and not _is_view(p.grad, view):
                 self._adopt(p)

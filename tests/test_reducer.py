@@ -21,7 +21,7 @@ from reducer_bodies import (
     grads_ready_body,
     two_optimizers_body,
 )
-from train_bodies import TrainCase, train_cases, train_overlap_body, unused_parameters_body
+from train_bodies import TrainCase, grad_storage_moved_body, train_cases, train_overlap_body, unused_parameters_body
 
 
 @settings(max_examples=40, deadline=None)
@@ -58,6 +58,17 @@ def test_two_optimizers_reached_in_another_order_raise_instead_of_mixing(world: 
     assert all(s == seen[0] for s in seen), seen
     if how != "unused_first":  # the last rank's second optimizer reduces first there: paired with the first's
         assert seen[0] == ["RuntimeError"], seen
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["to_none", "to_zeros"])
+@pytest.mark.parametrize("how", ["data", "set_"])
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("shard", [False, True], ids=["unsharded", "sharded"])
+def test_a_grad_whose_storage_was_moved_trains_as_one_process(
+    shard: bool, overlap: bool, how: str, set_to_none: bool
+) -> None:
+    for world in (1, 2):
+        dml.LocalBackend.spawn(world, grad_storage_moved_body, shard, overlap, how, set_to_none, timeout=60)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

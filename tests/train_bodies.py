@@ -718,3 +718,50 @@ def closure_body(backend: dml.Backend, seed: int) -> float:
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=1e-7, atol=1e-9, msg=f"rank {rank}: {kind}")
     return sum(losses)
+
+
+def grad_storage_moved_body(backend: dml.Backend, shard: bool, overlap: bool, how: str, set_to_none: bool) -> None:
+    """``p.grad.data = ...`` or ``p.grad.set_(...)`` at step 0 (the same values, or doubled, in new storage): every
+    step after it, as before it, is one process's step on all the ranks' batches (the gradient handed out as
+    ``.grad`` no longer aliased the library's buffer: the steps read stale values, or replicas diverged)."""
+    rank, size = dml.local_rank(backend), dml.total_workers(backend)
+
+    def made() -> torch.nn.Module:
+        g = _gen(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
+        return model
+
+    model, ref = made(), made()
+    opt = dml.DistributedOptimizer(
+        backend, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), shard_state=shard, overlap=overlap
+    )
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+    def moved(grad: torch.Tensor) -> None:
+        if how == "data":
+            grad.data = grad.data * 2
+        else:
+            grad.set_(grad.detach().clone() * 2)
+
+    for step in range(3):
+        opt.zero_grad(set_to_none=set_to_none)
+        ref_opt.zero_grad()
+        batches = [
+            (torch.randn(8, 4, generator=_gen(10 * step + r), dtype=torch.float64), torch.full((8, 3), float(r)))
+            for r in range(size)
+        ]
+        x, y = batches[rank]
+        (model(x) - y).pow(2).mean().backward()
+        torch.cat([(ref(xb) - yb).pow(2).mean(1) for xb, yb in batches]).mean().backward()  # equal batches
+        if step == 0:
+            for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+                moved(p.grad)
+                q.grad.mul_(2)
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-10, atol=1e-12)
+    assert replicas_identical(backend, torch.cat([p.detach().flatten() for p in model.parameters()]).tolist())
