@@ -61,7 +61,7 @@ from distutils_ml.checkpoint import (
     write_atomic,
 )
 from distutils_ml.data import DistributedDataContainer
-from distutils_ml.objects import allgather_object, bcast_object, error_status, remote_error, run_on_root
+from distutils_ml.objects import allgather_object, bcast_object, run_on_root
 from distutils_ml.rng import rng_state, set_rng_state_all
 
 __all__ = ["RESUME_REPORT_ENV", "TrainState"]
@@ -159,6 +159,7 @@ class TrainState:
         #: Checkpoints written by this run (counting those of the runs it resumed).
         self.saves = 0
         self._writer: threading.Thread | None = None
+        self._warned_join = False  # a save inside dml.join after a rank left: warned once
         self._failed: BaseException | None = None
         self._host: dict[str, torch.Tensor] = {}  # rank 0's host copy, reused from save to save
         self._seq = 0  # the number of the last checkpoint this run wrote (as every rank saving learned it)
@@ -260,18 +261,13 @@ class TrainState:
         self._settle("TrainState.wait")
 
     def _settle(self, what: str) -> None:
-        """Every rank: its writes done (a rank other than 0 writes inside ``dml.join``); one allgather, and a
-        failed write raised on every rank, in the form ``run_on_root`` raises a failure in."""
-        failure: BaseException | None = None
-        try:
-            self._join()
-        except Exception as e:
-            failure = e
-        mine = None if failure is None else error_status(failure)
-        reports = allgather_object(self.backend, mine)
-        for rank, report in enumerate(reports):
-            if report is not None:
-                raise remote_error(report, f"{what}: rank {rank}") from (failure if rank == self.backend.rank else None)
+        """The last write done (by the rank that wrote it: rank 0, or inside ``dml.join`` a rank with data), and its
+        failure raised on every rank, in the form ``run_on_root`` raises a failure in. The wait runs inside that
+        collective, so a slow write is not taken for a stall by the ranks waiting for it."""
+        backend = self.backend
+        writing = allgather_object(backend, self._writer is not None or self._failed is not None)
+        for rank in (r for r, busy in enumerate(writing) if busy):  # one, but inside dml.join ranks take turns
+            run_on_root(backend, self._join if rank == backend.rank else lambda: None, root=rank, what=what)
 
     def _content(self) -> dict[str, Any]:
         epoch, consumed = self.epoch, self.start
@@ -314,7 +310,18 @@ class TrainState:
         """Every rank's RNG states, and every rank's value of each user value or buffer that is not the same on
         every rank (``{key: [rank 0's, rank 1's, ...]}``): one allgather, a second only when some differ."""
         local = self._local_values()
-        every = allgather_object(self.backend, (rng_state(), {k: _fingerprint(v) for k, v in local.items()}))
+        backend = self.backend
+        left = [r for r in range(backend.size) if backend.acting_root(r) != r]  # inside dml.join: ranks that joined
+        if left and not self._warned_join:
+            self._warned_join = True
+            warnings.warn(
+                f"TrainState.save inside dml.join after rank(s) {left} left the loop: the ranks with data cannot "
+                "learn those ranks' own values (RNG streams, values and buffers that differ by rank); the checkpoint "
+                f"holds rank {backend.acting_root(left[0])}'s for them, which a resume gives them. Everything that "
+                "is the same on every rank (the model, the optimizer) is saved exactly",
+                stacklevel=4,
+            )
+        every = allgather_object(backend, (rng_state(), {k: _fingerprint(v) for k, v in local.items()}))
         for rank, (_, prints) in enumerate(every):  # a value that cannot be pickled: named, on every rank
             bad = next((k for k, p in prints.items() if isinstance(p, str)), None)
             if bad is not None:

@@ -524,3 +524,50 @@ def test_values_and_buffers_that_differ_by_rank_come_back_to_each_rank(tmp_path:
         return again.seen
 
     assert dml.LocalBackend.spawn(1, elsewhere) == [[0]]  # another world size: rank 0's
+
+
+@pytest.mark.parametrize("how", ["dml.save", "TrainState"])
+def test_a_slow_write_is_not_taken_for_a_stall_on_simulated_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A write that takes longer than the stall timeout (slow storage): the ranks waiting for the writer count it
+    inside the collective, as an MPI job's watchdog does (TrainState waited for its writer outside any)."""
+    import distutils_ml.checkpoint as ck
+
+    for module in (ck, ts):
+        real = module.write_atomic
+        monkeypatch.setattr(module, "write_atomic", lambda *a, _real=real, **k: (time.sleep(1.5), _real(*a, **k))[1])
+
+    def body(backend: dml.Backend) -> int:
+        model = torch.nn.Linear(2, 1)
+        if how == "dml.save":
+            dml.save(backend, {"m": model.state_dict()}, str(tmp_path / "slow.pt"))
+            return 1
+        state = dml.TrainState(backend, model=model, step=0)
+        state.save(tmp_path / "ck")
+        state.save(tmp_path / "ck")  # waits for the first write first
+        state.wait()
+        return state.saves
+
+    assert dml.LocalBackend.spawn(2, body, stall_timeout=0.5, timeout=60) == ([1, 1] if how == "dml.save" else [2, 2])
+
+
+def test_a_save_inside_join_after_a_rank_left_warns_that_its_own_values_are_not_known(tmp_path: Path) -> None:
+    """Inside dml.join a rank that left cannot tell the others its own values: the save says so once."""
+
+    def body(backend: dml.Backend) -> int:
+        model = dml.synchronize(backend, torch.nn.Linear(3, 1))
+        opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1))
+        state = dml.TrainState(backend, model=model, optimizer=opt, seen=0)
+        with dml.join(backend, opt, model):
+            for _ in range(2 + 2 * backend.rank):
+                opt.zero_grad()
+                model(torch.ones(2, 3)).sum().backward()
+                opt.step()
+                state.seen += 2
+                state.save(tmp_path)
+        state.wait()
+        return state.seen
+
+    with pytest.warns(UserWarning, match=r"TrainState.save inside dml.join after rank\(s\) \[0\] left the loop"):
+        assert dml.LocalBackend.spawn(2, body, timeout=60) == [4, 8]

@@ -64,6 +64,9 @@ class _World:
         self.snapshot: tuple[Any, ...] = ()
         self.failure: tuple[int, BaseException] | None = None
         self.finished: set[int] = set()
+        #: ranks inside a collective's own work before their deposit (root producing a broadcast's bytes: slow I/O
+        #: or pickling in run_on_root), which the waiting ranks do not count as stalled (as an MPI job's watchdog)
+        self.busy: set[int] = set()
         self.duplicates: list[_World] = []  # worlds of duplicate backends: they learn of failures and exits too
 
     def _check_alive(self, rank: int, fingerprint: tuple) -> None:
@@ -106,6 +109,10 @@ class _World:
                     self.cond.wait()
                     continue
                 waited = time.monotonic() - start
+                if self.busy:  # a rank is inside this collective, producing what it sends: not a stall
+                    start, warn_at = time.monotonic(), self.stall_timeout / 4
+                    self.cond.wait(self.stall_timeout / 8)
+                    continue
                 if waited >= self.stall_timeout:
                     missing = [r for r in range(self.size) if self.slots[r] is None]
                     err = StallError(
@@ -399,7 +406,17 @@ class LocalBackend(Backend):
 
     def _bcast_bytes(self, data: bytes | None, root: int, make: Callable[[], bytes] | None = None) -> bytes:
         if self._rank == root and make is not None:
-            data = make()
+            world = self._world
+            if world is not None:
+                with world.cond:
+                    world.busy.add(self._rank)
+            try:
+                data = make()
+            finally:
+                if world is not None:
+                    with world.cond:
+                        world.busy.discard(self._rank)
+                        world.cond.notify_all()
         if self._world is None:
             return data  # type: ignore[return-value]
         parts = self._exchange(data if self._rank == root else None, _fingerprint("bcast_object", None, root=root))
