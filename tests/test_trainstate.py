@@ -482,7 +482,9 @@ def test_inside_join_a_rank_that_writes_after_a_joined_one_takes_the_next_number
         assert again.resume(tmp_path)
         return again.step
 
-    assert dml.LocalBackend.spawn(2, body) == [2, 2]
+    # A save after a rank left cannot learn that rank's own values: it says so, once.
+    with pytest.warns(UserWarning, match=r"TrainState.save inside dml.join after rank\(s\) \[0\] left the loop"):
+        assert dml.LocalBackend.spawn(2, body) == [2, 2]
     assert _files(tmp_path) == ["state-00000001.pt", "state-00000002.pt"]
 
 
@@ -550,24 +552,3 @@ def test_a_slow_write_is_not_taken_for_a_stall_on_simulated_ranks(
         return state.saves
 
     assert dml.LocalBackend.spawn(2, body, stall_timeout=0.5, timeout=60) == ([1, 1] if how == "dml.save" else [2, 2])
-
-
-def test_a_save_inside_join_after_a_rank_left_warns_that_its_own_values_are_not_known(tmp_path: Path) -> None:
-    """Inside dml.join a rank that left cannot tell the others its own values: the save says so once."""
-
-    def body(backend: dml.Backend) -> int:
-        model = dml.synchronize(backend, torch.nn.Linear(3, 1))
-        opt = dml.DistributedOptimizer(backend, torch.optim.SGD(model.parameters(), lr=0.1))
-        state = dml.TrainState(backend, model=model, optimizer=opt, seen=0)
-        with dml.join(backend, opt, model):
-            for _ in range(2 + 2 * backend.rank):
-                opt.zero_grad()
-                model(torch.ones(2, 3)).sum().backward()
-                opt.step()
-                state.seen += 2
-                state.save(tmp_path)
-        state.wait()
-        return state.seen
-
-    with pytest.warns(UserWarning, match=r"TrainState.save inside dml.join after rank\(s\) \[0\] left the loop"):
-        assert dml.LocalBackend.spawn(2, body, timeout=60) == [4, 8]
