@@ -253,8 +253,10 @@ class GradientReducer(BucketMachine):
         it holds now are the user's ``.grad``: not a slice of the bucket, it is copied in when the bucket is sent)."""
         for bucket in self._buckets:
             for k, (i, flat, shaped) in enumerate(bucket.slots):
-                if shaped.data_ptr() != flat.data_ptr() or shaped.shape != self._params[i].shape:
-                    bucket.slots[k] = (i, flat, flat.view(self._params[i].shape))
+                shape = self._params[i].shape
+                # (a parameter of another size than its slot: its .data was replaced, and the round raises)
+                if shaped.data_ptr() != flat.data_ptr() and flat.numel() == shape.numel():
+                    bucket.slots[k] = (i, flat, flat.view(shape))
 
     def _reduced_in_backward(self) -> None:
         self.on_reduced()
