@@ -334,11 +334,20 @@ def source_view(buf: Any, name: str, recv: np.ndarray | None = None) -> tuple[np
         buf, dt = _torch_view(buf, name, False)
     else:
         raise _type_error(buf, name)
-    if recv is not None and np.may_share_memory(buf, recv):
+    if recv is not None and np.may_share_memory(buf, recv) and _shares_memory(buf, recv):
         raise overlap_error()
     if not buf.flags.c_contiguous:
         buf = np.ascontiguousarray(buf)
     return buf, dt
+
+
+def _shares_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` share an element (strided views whose bounds overlap may not), counted as sharing
+    where the exact answer would take long (interleaved strides)."""
+    try:
+        return bool(np.shares_memory(a, b, max_work=100_000))
+    except np.exceptions.TooHardError:
+        return True
 
 
 def overlap_error() -> ValueError:

@@ -76,7 +76,7 @@ def _in_place_buffer(leaf: Any) -> Any:
     if isinstance(leaf, np.ndarray):
         if not (leaf.flags.c_contiguous and leaf.flags.writeable):
             return None
-        return leaf.reshape(-1)
+        return np.asarray(leaf).reshape(-1)  # a subclass's data (a masked array's, its mask left as it is)
     view = leaf.detach()
     if not view.is_contiguous():
         return None

@@ -244,3 +244,20 @@ def test_past_2_31_elements_under_mpiexec() -> None:
     job = run_mpi(2, ["tests/core_job.py", "big"], timeout=600)
     assert job.returncode == 0, job.output[-8000:]
     assert "CORE JOB PASSED: big on 2 ranks" in job.output, job.output[-8000:]
+
+
+def test_a_strided_send_within_the_results_bounds_but_sharing_no_element_is_taken() -> None:
+    """Only buffers that share an element overlap: a column and a row of one matrix, or every 14th element around
+    a block, are reduced and gathered as separate buffers."""
+
+    def body(backend: dml.Backend) -> tuple[list[float], list[list[float]]]:
+        m = np.arange(16, dtype=np.float32).reshape(4, 4) + backend.rank
+        dml.allreduce(backend, m[0:3, 0], m[1, 1:], dml.SUM)  # column 0's 0, 4, 8 into row 1's 5, 6, 7
+        t = np.zeros(30, dtype=np.float32) + backend.rank
+        t[::14] = [10 + backend.rank, 20 + backend.rank, 30 + backend.rank]
+        dml.allgather(backend, t[::14], t[1:7].reshape(2, 3))
+        return m[1, 1:].tolist(), t[1:7].reshape(2, 3).tolist()
+
+    for reduced, gathered in dml.LocalBackend.spawn(2, body, timeout=30):
+        assert reduced == [0.0 + 1.0, 4.0 + 5.0, 8.0 + 9.0]
+        assert gathered == [[10.0, 20.0, 30.0], [11.0, 21.0, 31.0]]

@@ -11,6 +11,7 @@ import torch
 
 import distutils_ml as dml
 from distutils_ml.backends.local import RankFailedError
+from distutils_ml.objects import run_on_root
 
 from bodies import MISMATCHES, mismatch_body
 
@@ -151,3 +152,17 @@ def test_close_ends_the_communication_thread_runs_callbacks_and_refuses_later_ca
     assert dml.LocalBackend.spawn(2, body) == [(True, False), (True, False)]
     for rank in range(2):
         assert [what for r, what in order if r == rank] == ["last registered", "first registered"], order
+
+
+def test_a_root_busy_producing_a_broadcast_is_warned_about_not_taken_for_a_stall(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """run_on_root's function runs inside the collective: the waiting ranks warn that it is slow, every
+    stall_timeout, and raise nothing; once it is done, the stall clock starts again."""
+
+    def body(backend: dml.Backend) -> int:
+        return run_on_root(backend, lambda: time.sleep(1.2) or 7, what="slow")
+
+    assert dml.LocalBackend.spawn(2, body, stall_timeout=0.4, timeout=30) == [7, 7]
+    err = capfd.readouterr().err
+    assert "rank(s) [0] busy inside it (not a stall)" in err, err

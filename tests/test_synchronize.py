@@ -572,3 +572,18 @@ def test_a_failure_after_the_agreement_aborts_the_job() -> None:
     assert "synchronize: rank 1 failed after every rank agreed to go on" in job.output, job.output[-8000:]
     assert "not aborted" not in job.output, job.output[-8000:]
     assert job.seconds < 60, job.seconds
+
+
+@pytest.mark.parametrize("kind", ["masked", "matrix"])
+def test_numpy_subclass_leaves_are_synchronized_in_their_data(kind: str) -> None:
+    """A masked array's (or np.matrix's) data is made root's, its mask left as it is; alone in its dtype it went
+    through the collectives' refusal of subclasses after the ranks had agreed."""
+
+    def body(backend: dml.Backend) -> tuple[list[float], Any]:
+        data = np.arange(4.0) + backend.rank
+        leaf = np.ma.array(data, mask=[0, 1, 0, 0]) if kind == "masked" else np.asmatrix(data.reshape(2, 2))
+        out = dml.synchronize(backend, {"a": leaf})["a"]
+        return np.asarray(out).ravel().tolist(), np.ma.getmaskarray(out).tolist() if kind == "masked" else None
+
+    for values, mask in dml.LocalBackend.spawn(2, body, timeout=30):
+        assert values == [0.0, 1.0, 2.0, 3.0] and mask in (None, [False, True, False, False])

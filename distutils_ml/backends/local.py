@@ -67,6 +67,7 @@ class _World:
         #: ranks inside a collective's own work before their deposit (root producing a broadcast's bytes: slow I/O
         #: or pickling in run_on_root), which the waiting ranks do not count as stalled (as an MPI job's watchdog)
         self.busy: set[int] = set()
+        self.busy_ended = 0.0  # time.monotonic() when a rank last stopped being busy
         self.duplicates: list[_World] = []  # worlds of duplicate backends: they learn of failures and exits too
 
     def _check_alive(self, rank: int, fingerprint: tuple) -> None:
@@ -109,11 +110,11 @@ class _World:
                     self.cond.wait()
                     continue
                 waited = time.monotonic() - start
-                if self.busy:  # a rank is inside this collective, producing what it sends: not a stall
-                    start, warn_at = time.monotonic(), self.stall_timeout / 4
-                    self.cond.wait(self.stall_timeout / 8)
-                    continue
-                if waited >= self.stall_timeout:
+                # A rank inside this collective producing what it sends (a root's run_on_root: slow I/O) is not
+                # missing, as in an MPI job's watchdog: warned about, every stall_timeout, but not a stall; the
+                # stall clock starts again once it is done.
+                idle = time.monotonic() - max(start, self.busy_ended)
+                if idle >= self.stall_timeout and not self.busy:
                     missing = [r for r in range(self.size) if self.slots[r] is None]
                     err = StallError(
                         f"LocalBackend rank {rank}: stall: waited {waited:.1f} s in {describe(*fingerprint)} "
@@ -123,14 +124,16 @@ class _World:
                     self.cond.notify_all()
                     raise err
                 if waited >= warn_at:
+                    busy = f"rank(s) {sorted(self.busy)} busy inside it (not a stall)" if self.busy else ""
                     sys.stderr.write(
                         f"LocalBackend rank {rank}: warning: waiting {waited:.1f} s in {describe(*fingerprint)} "
-                        f"#{gen + 1}; StallError after {self.stall_timeout:g} s "
+                        f"#{gen + 1}; {busy or f'StallError after {self.stall_timeout:g} s'} "
                         f"(stall_timeout= of LocalBackend.spawn, or {TIMEOUT_ENV})\n"
                     )
                     sys.stderr.flush()
-                    warn_at = self.stall_timeout
-                self.cond.wait(min(warn_at - waited, _MAX_WAIT))
+                    warn_at = self.stall_timeout if warn_at < self.stall_timeout else warn_at + self.stall_timeout
+                until_stall = _MAX_WAIT if self.busy else self.stall_timeout - idle
+                self.cond.wait(max(0.0, min(warn_at - waited, until_stall, _MAX_WAIT)))
             return self.snapshot
 
     def fail(self, rank: int, exc: BaseException) -> None:
@@ -416,6 +419,7 @@ class LocalBackend(Backend):
                 if world is not None:
                     with world.cond:
                         world.busy.discard(self._rank)
+                        world.busy_ended = time.monotonic()
                         world.cond.notify_all()
         if self._world is None:
             return data  # type: ignore[return-value]
