@@ -46,9 +46,14 @@ def test_delay_and_integrity(pair: tuple[str, str]) -> None:
     with DelayLine(ns_a, ns_b, ADDR_A, ADDR_B, delay_s=DELAY_S) as link, server(ns_b, ADDR_B):
         assert link.relay_pid is not None
         result = client(ns_a, ADDR_B, pings=20, mib=4, verify=True, timeout=30)
+    # The relay sends a packet up to its wake-up advance early (the median overshoot of its sleeps, at most
+    # 0.2 ms), so departures centre on the due time: a round trip may be short of 2 delays by what each way was early.
+    early_s = (link.stats["a2b_early_max_ns"] + link.stats["b2a_early_max_ns"]) / 1e9
     for kind in ("udp", "tcp"):
         median = statistics.median(result[f"{kind}_rtt_s"])
-        assert median >= 2 * DELAY_S, f"{kind} round trip {median * 1e3:.3f} ms < {2 * DELAY_S * 1e3} ms"
+        assert median >= 2 * DELAY_S - early_s, (
+            f"{kind} round trip {median * 1e3:.3f} ms < {2 * DELAY_S * 1e3} ms - {early_s * 1e3:.3f} ms early"
+        )
     assert result["received"] == result["bytes"] == 4 << 20
     assert result["intact"] is True
     # The relay's own count: every byte crossed it (plus headers and the pings).
