@@ -29,7 +29,7 @@ __all__ = [
     "cuda_tensor",
     "dtype_name",
     "not_contiguous",
-    "overlap_error",
+    "array_subclass",
     "pinned_like",
     "torch_dtype_name",
     "unusual_tensor",
@@ -278,7 +278,7 @@ def not_contiguous(name: str, shape: Any) -> ValueError:
     )
 
 
-def _array_subclass(buf: np.ndarray, name: str) -> TypeError | None:
+def array_subclass(buf: np.ndarray, name: str) -> TypeError | None:
     """An error for a subclass of ``numpy.ndarray`` other than ``np.memmap`` (plain data), or None: a masked
     array's mask would be dropped or mixed, and ``np.matrix`` keeps two axes where a row is indexed."""
     if type(buf) in (np.ndarray, np.memmap):
@@ -299,7 +299,7 @@ def result_view(buf: Any, name: str) -> tuple[np.ndarray, str]:
         ValueError: not C-contiguous, or read-only.
     """
     if isinstance(buf, np.ndarray):
-        subclass = _array_subclass(buf, name)
+        subclass = array_subclass(buf, name)
         if subclass is not None:
             raise subclass
         dt = _NP_DTYPES.get(buf.dtype)
@@ -324,7 +324,7 @@ def source_view(buf: Any, name: str, recv: np.ndarray | None = None) -> tuple[np
             non-contiguous ``buf`` is copied.
     """
     if isinstance(buf, np.ndarray):
-        subclass = _array_subclass(buf, name)
+        subclass = array_subclass(buf, name)
         if subclass is not None:
             raise subclass
         dt = _NP_DTYPES.get(buf.dtype)
@@ -335,7 +335,7 @@ def source_view(buf: Any, name: str, recv: np.ndarray | None = None) -> tuple[np
     else:
         raise _type_error(buf, name)
     if recv is not None and np.may_share_memory(buf, recv) and _shares_memory(buf, recv):
-        raise overlap_error()
+        raise _overlap_error()
     if not buf.flags.c_contiguous:
         buf = np.ascontiguousarray(buf)
     return buf, dt
@@ -350,7 +350,7 @@ def _shares_memory(a: np.ndarray, b: np.ndarray) -> bool:
         return True
 
 
-def overlap_error() -> ValueError:
+def _overlap_error() -> ValueError:
     return ValueError("sendbuf and recvbuf overlap; pass the same buffer once for the in-place form")
 
 

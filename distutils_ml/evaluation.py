@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from distutils_ml.arrays import unusual_tensor
+from distutils_ml.arrays import array_subclass, unusual_tensor
 from distutils_ml.backends.base import Backend, check_backend
 from distutils_ml.collectives import allgather
 from distutils_ml.data import DistributedDataContainer, UnpaddedShare
@@ -47,14 +47,8 @@ def _leaf_spec(leaf: Any, name: str, padded: int, unpadded: int) -> tuple[Any, .
         if unusual is not None:
             raise _Problem(TypeError, str(unusual))
         kind, dtype, rows, device = "tensor", leaf.dtype, tuple(leaf.shape[1:]), leaf.device.type
-    elif isinstance(leaf, np.ndarray) and type(leaf) not in (np.ndarray, np.memmap):
-        # A subclass carries more than its data (a masked array's mask): gathered as plain rows, that would be lost.
-        raise _Problem(
-            TypeError,
-            f"values{name}: got {describe_value(leaf)}, a subclass of numpy.ndarray whose extra state (e.g. a masked "
-            "array's mask) would be lost; pass plain arrays, e.g. (a.filled(0), np.ma.getmaskarray(a)) for a masked "
-            "array, or np.asarray(a)",
-        )
+    elif isinstance(leaf, np.ndarray) and (subclass := array_subclass(leaf, f"values{name}")) is not None:
+        raise _Problem(TypeError, str(subclass))  # a masked array's mask, gathered as plain rows, would be lost
     elif isinstance(leaf, np.ndarray):
         kind = "object array" if leaf.dtype.hasobject else "array"
         # Text arrays may differ in width across ranks (the longest string): compared by kind, gathered at the widest.
